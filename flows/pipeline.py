@@ -1,35 +1,46 @@
-"""The pipeline flow: a recipe's stages in order, each a Prefect task.
+"""The pipeline DAG, run in-process (``ktflow-pipeline``) or dispatched to stage deployments.
 
 download -> dequantize (when a stage reads BF16) -> sft -> convert-lora -> quantize-int8 (when
 AMXINT8 weights are wanted) -> serve -> evaluate. Stages the recipe does not need are skipped
 and the summary says why. Every stage's engine publishes a manifest-described artifact, so a
 rerun of an unchanged recipe is a cache hit stage by stage; a changed dataset re-runs SFT and
 what follows it, never download or dequantize.
+
+The DAG is written once (:func:`run_pipeline`) against a ``call(stage, **parameters)``
+function. The embedded flow calls the stage's task in this process. The distributed flow
+(``ktflow-dispatch``) runs each stage as a child run of the stage's deployment, on the work
+pool that ``ktflow.pools`` routes it to, and passes paths plus manifest digests (never
+tensors) over the shared store.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import flow, task
 from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import INPUTS, RUN_ID
+from prefect.context import TaskRunContext
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run as current_run
+from pydantic import BaseModel
 
-from ktflow.recipe import Recipe, int8_threadpool_count
-from ktflow.stages import plan_stages
+from ktflow.errors import InvalidInputError, KtflowError
+from ktflow.pools import pool_for_stage
+from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
+from ktflow.stages import StageName, plan_stages
 from ktflow.store import read_manifest
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
-from tasks.convert_lora import convert_lora_task
-from tasks.dequantize import dequantize_task
-from tasks.download import download_task
-from tasks.quantize_int8 import quantize_int8_task
-from tasks.serve import evaluate_task, serve_task
-from tasks.sft import sft_task
+from flows.stages import STAGE_FLOWS, STAGE_TASKS
+
+StageCall = Callable[..., Any]
 
 
-@flow(name="ktflow-pipeline")
-def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any]:
-    """Fine-tune and serve ``recipe``: every stage it needs, in order."""
+def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = None) -> dict[str, Any]:
+    """Every stage ``recipe`` needs, in order; ``call(stage, **parameters)`` runs one stage."""
     plans = {p.stage: p for p in plan_stages(recipe)}
     store = recipe.store.root
     rows: list[dict[str, Any]] = []
@@ -38,43 +49,44 @@ def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any
         rows.append({"stage": stage, "runs": "yes" if plans[stage].needed else "skipped",
                      "why": plans[stage].reason, "result": result})
 
-    source = download_task(recipe.source, str(store), hf_token_block)
+    source = call("download", source=recipe.source, store_root=str(store), hf_token_block=hf_token_block)
     record("download", str(source.path) + (" (cached)" if source.cached else ""))
 
     bf16_dir: Path | None = None
     if plans["dequantize"].needed:
-        bf16 = dequantize_task(str(source.path), str(bf16_dir_for(recipe, source.path)),
-                               recipe.conversion.workers, recipe.conversion.fsync)
+        bf16 = call("dequantize", src=str(source.path), dst=str(bf16_dir_for(recipe, source.path)),
+                    workers=recipe.conversion.workers, fsync=recipe.conversion.fsync)
         bf16_dir = bf16.path
         record("dequantize", f"{bf16.path}" + (" (cached)" if bf16.cached else f" ({bf16.tensors_decoded} tensors)"))
     else:
         record("dequantize", "-")
     model_dir = source.path if trains_on_source(recipe) or bf16_dir is None else bf16_dir
 
-    trained = sft_task(recipe, str(model_dir))
+    trained = call("sft", recipe=recipe, model_dir=str(model_dir))
     record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps)"))
-    digest = read_manifest(trained.adapter_dir).digest()  # type: ignore[union-attr]
-    adapter = convert_lora_task(str(trained.adapter_dir), str(store / "adapters" / digest[:16]), str(model_dir),
-                                str(recipe.toolchains.serve.python))
+    digest = trained.manifest_digest or read_manifest(trained.adapter_dir).digest()  # type: ignore[union-attr]
+    adapter = call("convert-lora", adapter_dir=str(trained.adapter_dir), out_dir=str(store / "adapters" / digest[:16]),
+                   base_dir=str(model_dir), serve_python=str(recipe.toolchains.serve.python))
     record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank})")
 
     if plans["quantize-int8"].needed:
         t = int8_threadpool_count(recipe)
         base = bf16_dir or source.path
-        int8 = quantize_int8_task(str(base), str(int8_dir_for(recipe, base)), t,
-                                  str(recipe.toolchains.serve.python), recipe.conversion.workers)
+        int8 = call("quantize-int8", bf16_dir=str(base), out_dir=str(int8_dir_for(recipe, base)), threadpool_count=t,
+                    serve_python=str(recipe.toolchains.serve.python), workers=recipe.conversion.workers)
         record("quantize-int8", f"{int8.path} (T={t})")
     else:
         record("quantize-int8", "-")
 
     outcome: dict[str, Any] = {"adapter": str(adapter.path)}
     serve_model, kt_weights = serving_weights(recipe, source_dir=source.path, bf16_dir=bf16_dir)
-    endpoint = serve_task(recipe, str(serve_model), str(adapter.path), str(kt_weights) if kt_weights else None)
+    endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter.path),
+                    kt_weight_dir=str(kt_weights) if kt_weights else None)
     record("serve", endpoint.url)
     outcome["endpoint"] = endpoint.url
     if plans["evaluate"].needed:
         # The base model for the comparison is the one the adapter was trained on.
-        report = evaluate_task(recipe, str(model_dir), endpoint)
+        report = call("evaluate", recipe=recipe, model_dir=str(model_dir), endpoint=endpoint)
         record("evaluate", f"adapter applied: {report.adapter_applied}, promoted: {report.promoted}")
         outcome["evaluation"] = str(report.report_md)
     else:
@@ -82,3 +94,111 @@ def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any
     create_table_artifact(key="pipeline-summary", table=rows, description=f"ktflow pipeline: {recipe.name}")
     outcome["stages"] = rows
     return outcome
+
+
+def _call_task(stage: StageName, **parameters: Any) -> Any:
+    return STAGE_TASKS[stage](**parameters)
+
+
+@flow(name="ktflow-pipeline")
+def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any]:
+    """Fine-tune and serve ``recipe`` in this process: every stage it needs, in order."""
+    return run_pipeline(recipe, _call_task, hf_token_block)
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+class StageFailedError(KtflowError):
+    """A stage's child run ended in a state other than Completed."""
+
+
+def stage_deployment(stage: StageName) -> str:
+    """``flow-name/deployment-name`` of a stage: the deployment is named after its pool."""
+    return f"{STAGE_FLOWS[stage].name}/{pool_for_stage(stage).name}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+@task(
+    name="dispatch",
+    task_run_name="{stage}",
+    # Within one parent run a completed stage is not dispatched twice (a parent retry reuses it).
+    cache_policy=INPUTS + RUN_ID,
+    cache_result_in_memory=False,
+    retries=1,
+    retry_delay_seconds=5,
+    # A stage that failed on bad input fails the same way again; a crash (killed worker,
+    # lost host) is retried, and the stage's engine resumes what the crashed attempt finished.
+    retry_condition_fn=lambda task, run, state: not _is_invalid_input(state),
+)
+def dispatch_stage(stage: StageName, parameters: dict[str, Any]) -> Any:
+    """Run ``stage`` as a child run of its deployment and return the child's result."""
+    from prefect.deployments import run_deployment
+
+    attempt = TaskRunContext.get().task_run.run_count  # type: ignore[union-attr]
+    # The same key returns the existing run even when it failed: a retry needs a new one.
+    key = f"{current_run.id}:{stage}:{current_run.run_count}:{attempt}"
+    child = run_deployment(stage_deployment(stage), parameters=parameters, idempotency_key=key, as_subflow=True,
+                           timeout=None, poll_interval=1)
+    state = child.state
+    if state is None or not state.is_completed():
+        error = _child_exception(state)
+        if isinstance(error, InvalidInputError):
+            raise error
+        kind = state.type.value if state else "UNKNOWN"
+        raise StageFailedError(f"stage {stage} (run {child.name}, pool {child.work_pool_name}) ended {kind}: "
+                               f"{state.message if state else 'no state'}")
+    return state.result()
+
+
+def _child_exception(state: Any) -> BaseException | None:
+    if state is None or not state.is_failed():
+        return None
+    try:
+        value = state.result(raise_on_failure=False)
+    except Exception:  # result not persisted or unreadable: fall back to the message
+        return None
+    return value if isinstance(value, BaseException) else None
+
+
+def _is_invalid_input(state: Any) -> bool:
+    try:
+        state.result()
+    except InvalidInputError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def _dispatch(stage: StageName, **parameters: Any) -> Any:
+    return dispatch_stage(stage, {name: _jsonable(value) for name, value in parameters.items()})
+
+
+@flow(name="ktflow-dispatch")
+def pipeline_distributed(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any]:
+    """Fine-tune and serve ``recipe`` with every stage on the work pool that can run it."""
+    get_run_logger().info("dispatching %s: %s", recipe.name,
+                          ", ".join(f"{p.stage} -> {pool_for_stage(p.stage).name}" for p in plan_stages(recipe)
+                                    if p.needed))
+    return run_pipeline(recipe, _dispatch, hf_token_block)
+
+
+@flow(name="ktflow-retrain")
+def retrain(recipe_file: str, dataset_file: str | None = None, hf_token_block: str | None = None) -> dict[str, Any]:
+    """Retrain a recipe (a file on the shared checkout), optionally on a newly published dataset.
+
+    Started by the schedule and by ``dataset.version.published`` events (``ktflow dataset
+    publish``). An unchanged dataset is a cache hit end to end and leaves the server running.
+    """
+    overrides = [f"dataset.files={json.dumps([dataset_file])}"] if dataset_file else []
+    recipe = load_recipe(recipe_file, overrides)
+    get_run_logger().info("retraining %s on %s", recipe.name, ", ".join(map(str, recipe.dataset.files)))
+    return run_pipeline(recipe, _dispatch, hf_token_block)

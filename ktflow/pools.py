@@ -1,0 +1,98 @@
+"""Work pools: which hardware class runs which stage, and whether this host qualifies.
+
+This is the one place where pool names, the capability each pool demands of a host, and the
+stage -> pool routing are written down. Prefect routes runs by work pool only (tags and labels
+are metadata), so capability matching is ours: ``ktflow worker`` probes the host and joins
+the pools it qualifies for; ``deployments/prefect.yaml`` puts each stage's deployment on the
+pool named here (a test keeps the two in agreement); the stage flows re-check the recipe's
+own needs (``ktflow.stages.host_requirements``) on the host that picked the run up.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from ktflow.errors import HostRequirementError
+from ktflow.hardware import CpuVariant, HostInfo, variant_at_least
+from ktflow.stages import STAGE_ORDER, StageName
+
+
+class WorkPoolSpec(BaseModel):
+    """A Prefect process work pool for one class of host."""
+
+    name: str
+    role: str = Field(description="what the pool's hosts are for")
+    min_cpu_variant: CpuVariant | None = Field(None, description="kt-kernel variant a host needs (None: any)")
+    cpu_reason: str = ""
+    stages: tuple[str, ...] = Field(description="the stage deployments that run on this pool")
+    concurrency_limit: int | None = Field(None, description="runs at a time per worker (None: unlimited)")
+
+
+CONTROL_POOL = "ktflow-control"
+"""The parent pipeline flows: they only dispatch and wait, so any host may run them. Kept apart
+from the stage pools so a waiting parent never holds the slot its own child needs."""
+
+WORK_POOLS: tuple[WorkPoolSpec, ...] = (
+    WorkPoolSpec(
+        name=CONTROL_POOL,
+        role="parent pipeline flows (dispatch only)",
+        stages=(),
+    ),
+    WorkPoolSpec(
+        name="amx-train",
+        role="training host: download, INT4/FP8 -> BF16, LoRA SFT",
+        min_cpu_variant="amx",
+        cpu_reason="KT SFT's fastest kernels (and every pre-0.7 KT kernel) need AMX",
+        stages=("download", "dequantize", "sft"),
+        # One training job at a time: SFT takes every core and most of the RAM.
+        concurrency_limit=1,
+    ),
+    WorkPoolSpec(
+        name="avx512-serve",
+        role="serving host: adapter conversion, CPU INT8 quantization, SGLang, evaluation",
+        min_cpu_variant="avx512_vnni",
+        cpu_reason="kt-kernel's INT8 MoE kernels need AVX512-VNNI or AMX",
+        stages=("convert-lora", "quantize-int8", "serve", "evaluate"),
+    ),
+)
+
+
+def pool_named(name: str) -> WorkPoolSpec:
+    """The pool spec called ``name``, or an error listing the known ones."""
+    for pool in WORK_POOLS:
+        if pool.name == name:
+            return pool
+    known = ", ".join(p.name for p in WORK_POOLS)
+    raise HostRequirementError(f"work pool '{name}'", "is not one of ktflow's pools", f"use one of: {known}")
+
+
+def pool_for_stage(stage: StageName) -> WorkPoolSpec:
+    """The pool whose workers run ``stage``."""
+    for pool in WORK_POOLS:
+        if stage in pool.stages:
+            return pool
+    raise KeyError(stage)  # a stage without a pool is a bug in WORK_POOLS, not a user error
+
+
+def pool_shortfalls(pool: WorkPoolSpec, host: HostInfo) -> list[str]:
+    """Why ``host`` may not join ``pool``, as sentences (empty: it qualifies)."""
+    missing = []
+    if pool.min_cpu_variant and not variant_at_least(host.cpu_variant, pool.min_cpu_variant):
+        missing.append(
+            f"pool {pool.name} needs a CPU of kt-kernel variant {pool.min_cpu_variant} or better ({pool.cpu_reason}); "
+            f"this CPU is {host.cpu_variant}"
+        )
+    return missing
+
+
+def qualifying_pools(host: HostInfo) -> list[WorkPoolSpec]:
+    """Every pool ``host`` may join."""
+    return [pool for pool in WORK_POOLS if not pool_shortfalls(pool, host)]
+
+
+def _check_routing() -> None:
+    routed = [stage for pool in WORK_POOLS for stage in pool.stages]
+    assert sorted(routed) == sorted(STAGE_ORDER), f"every stage on exactly one pool: {routed}"
+
+
+_check_routing()
