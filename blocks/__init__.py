@@ -1,3 +1,74 @@
-"""Prefect Block types: model store, toolchain per stage, HF credentials, serving endpoint.
-Registered with ``prefect block register -m blocks``. Built in the Orchestration issue.
+"""Prefect Block types of ktflow: where the store is, which Python runs a stage's tools, the HF
+credentials, and a served endpoint.
+
+Register them once per server with ``prefect block register -m blocks`` (from the checkout),
+then create documents in the UI or in Python (``ModelStore(root="/mnt/store").save("shared")``).
+Hosts differ in where their environments live, so a worker is pointed at its own documents:
+``ktflow worker --toolchain train=gpu1-train --toolchain serve=gpu1-serve`` puts the names in
+the worker's environment and every stage flow it runs applies them (flows/stages.py).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr
+
+from ktflow.recipe import Recipe, Toolchain as RecipeToolchain
+
+
+class ModelStore(Block):
+    """The artifact store: one root, mounted at the same path on every host (NFS or local)."""
+
+    _block_type_name = "ktflow Model Store"
+    _block_type_slug = "ktflow-model-store"
+    _description = "Where ktflow's stage artifacts live: weights, BF16/INT8 copies, runs, adapters."
+
+    root: str = Field(description="absolute path of the store, the same on every host")
+
+    def apply(self, recipe: Recipe) -> Recipe:
+        """``recipe`` with its store root replaced by this store's."""
+        return recipe.model_copy(update={"store": recipe.store.model_copy(update={"root": Path(self.root)})})
+
+
+class Toolchain(Block):
+    """A Python environment on one host that runs a stage's tools (LlamaFactory, kt-kernel, SGLang)."""
+
+    _block_type_name = "ktflow Toolchain"
+    _block_type_slug = "ktflow-toolchain"
+    _description = "The python executable (and extra environment) of a training or serving toolchain on a host."
+
+    role: str = Field(pattern="^(train|serve)$", description="train or serve")
+    python: str = Field(description="absolute path of the environment's python")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for its tools")
+
+    def apply(self, recipe: Recipe) -> Recipe:
+        """``recipe`` with the toolchain of this block's role replaced."""
+        toolchains = recipe.toolchains.model_copy(
+            update={self.role: RecipeToolchain(python=Path(self.python), env=dict(self.env))})
+        return recipe.model_copy(update={"toolchains": toolchains})
+
+
+class HuggingFaceCredentials(Block):
+    """The Hugging Face token the download stage uses (kept as a secret; never logged or written)."""
+
+    _block_type_name = "ktflow Hugging Face Credentials"
+    _block_type_slug = "ktflow-huggingface-credentials"
+    _description = "A Hugging Face access token for gated or private checkpoints."
+
+    token: SecretStr = Field(description="hf_... access token")
+
+
+class ServingEndpoint(Block):
+    """An endpoint a serve stage started: where it answers and which model names it serves."""
+
+    _block_type_name = "ktflow Serving Endpoint"
+    _block_type_slug = "ktflow-serving-endpoint"
+    _description = "An OpenAI-compatible endpoint started by ktflow (the key stays in the named env var)."
+
+    url: str = Field(description="base URL, e.g. http://10.0.0.5:30000/v1")
+    base_model: str = Field(description="model name that answers without the adapter")
+    tuned_model: str = Field(description="model name that answers with the adapter")
+    api_key_env: str = Field(description="the environment variable holding the key on the serving host")
+    adapter_dir: str = Field(description="the adapter being served")

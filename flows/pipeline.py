@@ -63,7 +63,8 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     model_dir = source.path if trains_on_source(recipe) or bf16_dir is None else bf16_dir
 
     trained = call("sft", recipe=recipe, model_dir=str(model_dir))
-    record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps)"))
+    resumed = f", resumed from {trained.resumed_from}" if trained.resumed_from else ""
+    record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps{resumed})"))
     digest = trained.manifest_digest or read_manifest(trained.adapter_dir).digest()  # type: ignore[union-attr]
     adapter = call("convert-lora", adapter_dir=str(trained.adapter_dir), out_dir=str(store / "adapters" / digest[:16]),
                    base_dir=str(model_dir), serve_python=str(recipe.toolchains.serve.python))
@@ -182,9 +183,23 @@ def _dispatch(stage: StageName, **parameters: Any) -> Any:
     return dispatch_stage(stage, {name: _jsonable(value) for name, value in parameters.items()})
 
 
+def _with_store(recipe: Recipe, store_block: str | None) -> Recipe:
+    if not store_block:
+        return recipe
+    from blocks import ModelStore
+
+    return ModelStore.load(store_block).apply(recipe)
+
+
 @flow(name="ktflow-dispatch")
-def pipeline_distributed(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any]:
-    """Fine-tune and serve ``recipe`` with every stage on the work pool that can run it."""
+def pipeline_distributed(recipe: Recipe, hf_token_block: str | None = None,
+                         store_block: str | None = None) -> dict[str, Any]:
+    """Fine-tune and serve ``recipe`` with every stage on the work pool that can run it.
+
+    ``hf_token_block``: a ``ktflow-huggingface-credentials/NAME`` block or a Secret block's name.
+    ``store_block``: a ModelStore block whose root replaces the recipe's store root.
+    """
+    recipe = _with_store(recipe, store_block)
     get_run_logger().info("dispatching %s: %s", recipe.name,
                           ", ".join(f"{p.stage} -> {pool_for_stage(p.stage).name}" for p in plan_stages(recipe)
                                     if p.needed))
@@ -192,13 +207,14 @@ def pipeline_distributed(recipe: Recipe, hf_token_block: str | None = None) -> d
 
 
 @flow(name="ktflow-retrain")
-def retrain(recipe_file: str, dataset_file: str | None = None, hf_token_block: str | None = None) -> dict[str, Any]:
+def retrain(recipe_file: str, dataset_file: str | None = None, hf_token_block: str | None = None,
+            store_block: str | None = None) -> dict[str, Any]:
     """Retrain a recipe (a file on the shared checkout), optionally on a newly published dataset.
 
     Started by the schedule and by ``dataset.version.published`` events (``ktflow dataset
     publish``). An unchanged dataset is a cache hit end to end and leaves the server running.
     """
     overrides = [f"dataset.files={json.dumps([dataset_file])}"] if dataset_file else []
-    recipe = load_recipe(recipe_file, overrides)
+    recipe = _with_store(load_recipe(recipe_file, overrides), store_block)
     get_run_logger().info("retraining %s on %s", recipe.name, ", ".join(map(str, recipe.dataset.files)))
     return run_pipeline(recipe, _dispatch, hf_token_block)

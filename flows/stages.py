@@ -14,6 +14,7 @@ the same call to a local task or to a deployment (flows/pipeline.py).
 from __future__ import annotations
 
 import os
+import re
 import socket
 from typing import Any
 
@@ -62,6 +63,33 @@ def where_this_runs() -> dict[str, Any]:
     }
 
 
+TOOLCHAIN_BLOCK_ENV = {"train": "KTFLOW_TOOLCHAIN_TRAIN", "serve": "KTFLOW_TOOLCHAIN_SERVE"}
+"""Set by ``ktflow worker --toolchain ROLE=BLOCK``: this host's Toolchain block per role."""
+
+
+def host_recipe(recipe: Recipe) -> Recipe:
+    """``recipe`` with this host's toolchains (the worker's Toolchain blocks), if it names any."""
+    from blocks import Toolchain
+
+    for role, env in TOOLCHAIN_BLOCK_ENV.items():
+        if os.environ.get(env):
+            block = Toolchain.load(os.environ[env])
+            if block.role != role:
+                raise HostRequirementError(f"{env}={os.environ[env]}", f"is a {block.role} toolchain, not {role}",
+                                           f"point {env} at a Toolchain block whose role is {role}")
+            recipe = block.apply(recipe)
+    return recipe
+
+
+def host_serve_python(serve_python: str) -> str:
+    """The serving toolchain's python on this host: the worker's Toolchain block, else the given one."""
+    if os.environ.get(TOOLCHAIN_BLOCK_ENV["serve"]):
+        from blocks import Toolchain
+
+        return Toolchain.load(os.environ[TOOLCHAIN_BLOCK_ENV["serve"]]).python
+    return serve_python
+
+
 def _enter_stage(stage: StageName, recipe: Recipe | None) -> None:
     """Fail fast when this host cannot run the recipe's stage; record where it runs."""
     where = where_this_runs()
@@ -92,6 +120,7 @@ def dequantize_stage(src: str, dst: str, workers: int | None = None, fsync: bool
 
 @flow(name="ktflow-sft", persist_result=True)
 def sft_stage(recipe: Recipe, model_dir: str) -> SftResult:
+    recipe = host_recipe(recipe)
     _enter_stage("sft", recipe)
     return sft_task(recipe, model_dir)
 
@@ -99,26 +128,41 @@ def sft_stage(recipe: Recipe, model_dir: str) -> SftResult:
 @flow(name="ktflow-convert-lora", persist_result=True)
 def convert_lora_stage(adapter_dir: str, out_dir: str, base_dir: str, serve_python: str) -> ConvertLoraResult:
     _enter_stage("convert-lora", None)
-    return convert_lora_task(adapter_dir, out_dir, base_dir, serve_python)
+    return convert_lora_task(adapter_dir, out_dir, base_dir, host_serve_python(serve_python))
 
 
 @flow(name="ktflow-quantize-int8", persist_result=True)
 def quantize_int8_stage(bf16_dir: str, out_dir: str, threadpool_count: int, serve_python: str,
                         workers: int | None = None) -> QuantizeInt8Result:
     _enter_stage("quantize-int8", None)
-    return quantize_int8_task(bf16_dir, out_dir, threadpool_count, serve_python, workers)
+    return quantize_int8_task(bf16_dir, out_dir, threadpool_count, host_serve_python(serve_python), workers)
 
 
 @flow(name="ktflow-serve", persist_result=True)
 def serve_stage(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None = None) -> Endpoint:
+    recipe = host_recipe(recipe)
     _enter_stage("serve", recipe)
-    return serve_task(recipe, model_dir, adapter_dir, kt_weight_dir)
+    endpoint = serve_task(recipe, model_dir, adapter_dir, kt_weight_dir)
+    from blocks import ServingEndpoint
+
+    # A block for clients and dashboards; the key stays on the serving host, in its env var.
+    ServingEndpoint(url=endpoint.url, base_model=endpoint.served_model_name,
+                    tuned_model=endpoint.adapter_model_name or endpoint.served_model_name,
+                    api_key_env=endpoint.api_key_env or "", adapter_dir=str(endpoint.adapter_dir or "")
+                    ).save(endpoint_block_name(recipe), overwrite=True)
+    return endpoint
 
 
 @flow(name="ktflow-evaluate", persist_result=True)
 def evaluate_stage(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> EvaluationResult:
+    recipe = host_recipe(recipe)
     _enter_stage("evaluate", recipe)
     return evaluate_task(recipe, model_dir, endpoint)
+
+
+def endpoint_block_name(recipe: Recipe) -> str:
+    """The ServingEndpoint block a recipe's serve stage saves (block names: lowercase, digits, dashes)."""
+    return re.sub(r"[^a-z0-9-]+", "-", recipe.name.lower()) + "-endpoint"
 
 
 STAGE_FLOWS = {

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ktflow import __version__
-from ktflow.errors import KtflowError
+from ktflow.errors import InvalidInputError, KtflowError
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -539,7 +539,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         out.print(table)
         return 0
     pools = choose_pools(host, args.pool or ())
-    launches = worker_launches(pools, host_name=args.name or host.hostname, checkout=Path(args.checkout).absolute())
+    toolchains = {}
+    for item in args.toolchain or ():
+        role, sep, block = item.partition("=")
+        if not sep or role not in ("train", "serve") or not block:
+            raise InvalidInputError(f"--toolchain {item}", "expected ROLE=BLOCK with ROLE train or serve",
+                                    "e.g. --toolchain train=gpu1-train (a ktflow Toolchain block)")
+        toolchains[role] = block
+    launches = worker_launches(pools, host_name=args.name or host.hostname, checkout=Path(args.checkout).absolute(),
+                               toolchain_blocks=toolchains)
     if args.dry_run:
         _print_json([launch.model_dump(mode="json") for launch in launches])
         return 0
@@ -668,6 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", action="append", metavar="POOL", help="a pool to join (repeatable; default: all that qualify)")
     p.add_argument("--name", metavar="HOST", help="the host name the worker advertises (default: hostname)")
     p.add_argument("--checkout", default=".", metavar="DIR", help="this host's ktflow checkout (default: .)")
+    p.add_argument("--toolchain", action="append", metavar="ROLE=BLOCK",
+                   help="this host's Toolchain block for train or serve (repeatable)")
     p.add_argument("--list", action="store_true", help="list the pools and whether this host qualifies")
     p.add_argument("--create-pools", action="store_true",
                    help="create ktflow's work pools on the server (before `prefect deploy`), then exit")

@@ -91,8 +91,14 @@ def choose_pools(host: HostInfo, requested: Sequence[str] = ()) -> list[WorkPool
 
 
 def worker_launches(pools: Sequence[WorkPoolSpec], *, host_name: str, checkout: Path,
+                    toolchain_blocks: dict[str, str] | None = None,
                     python: str = sys.executable) -> list[WorkerLaunch]:
-    """The ``prefect worker start`` command line and environment for each pool."""
+    """The ``prefect worker start`` command line and environment for each pool.
+
+    ``toolchain_blocks`` maps a role (train, serve) to this host's Toolchain block name; the
+    stage flows the worker runs use those environments instead of the recipe's paths.
+    """
+    extra = {f"KTFLOW_TOOLCHAIN_{role.upper()}": block for role, block in (toolchain_blocks or {}).items()}
     launches = []
     for pool in pools:
         name = f"{host_name}-{pool.name}"
@@ -100,7 +106,7 @@ def worker_launches(pools: Sequence[WorkPoolSpec], *, host_name: str, checkout: 
                 "--name", name]
         if pool.concurrency_limit is not None:
             argv += ["--limit", str(pool.concurrency_limit)]
-        env = {HOST_NAME_ENV: host_name, POOL_ENV: pool.name, WORKER_ENV: name, CHECKOUT_ENV: str(checkout)}
+        env = {HOST_NAME_ENV: host_name, POOL_ENV: pool.name, WORKER_ENV: name, CHECKOUT_ENV: str(checkout), **extra}
         launches.append(WorkerLaunch(pool=pool.name, name=name, argv=argv, env=env))
     return launches
 

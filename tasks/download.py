@@ -13,9 +13,19 @@ from ktflow.recipe import SourceConfig
 from tasks._common import ProgressReporter, retry_unless_invalid_input
 
 
-def hf_token(secret_block: str | None) -> str | None:
-    """The HF token from a Prefect Secret block (by name); None falls back to HF_TOKEN."""
-    return Secret.load(secret_block).get() if secret_block else None
+def hf_token(block: str | None) -> str | None:
+    """The HF token from a block; None falls back to HF_TOKEN in the worker's environment.
+
+    ``block`` is ``ktflow-huggingface-credentials/NAME`` (blocks.HuggingFaceCredentials) or the
+    name of a Prefect Secret block.
+    """
+    if not block:
+        return None
+    if block.startswith("ktflow-huggingface-credentials/"):
+        from blocks import HuggingFaceCredentials
+
+        return HuggingFaceCredentials.load(block.split("/", 1)[1]).token.get_secret_value()
+    return Secret.load(block).get()
 
 
 @task(

@@ -11,7 +11,7 @@ from prefect.logging import get_run_logger
 from ktflow.evaluate import EvaluationResult, evaluate_base_vs_tuned
 from ktflow.process import ThrottledLines
 from ktflow.recipe import Recipe
-from ktflow.serve import Endpoint, adapter_model_name, api_key_for, read_endpoint, serve, stop
+from ktflow.serve import Endpoint, adapter_model_name, api_key_for, is_alive, read_endpoint, serve, stop
 
 
 def serving_dir(recipe: Recipe) -> Path:
@@ -24,7 +24,7 @@ def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: 
     logger = get_run_logger()
     record_dir = serving_dir(recipe)
     running = read_endpoint(record_dir)
-    if running is not None and running.adapter_dir == Path(adapter_dir) and running.state == "ready":
+    if running is not None and running.adapter_dir == Path(adapter_dir) and running.state == "ready" and is_alive(running):
         logger.info("endpoint %s already serves this adapter: not restarted", running.url)
         return running
     stop(record_dir)

@@ -1,0 +1,165 @@
+"""Routing as data: pools, ``ktflow worker``, and deployments/prefect.yaml agreeing with them."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ktflow.errors import HostRequirementError
+from ktflow.hardware import HostInfo, NumaNode
+from ktflow.pools import CONTROL_POOL, WORK_POOLS, pool_for_stage
+from ktflow.stages import STAGE_ORDER
+from ktflow.worker import WorkerLaunch, choose_pools, run_workers, worker_launches
+
+REPO = Path(__file__).resolve().parent.parent
+PREFECT_YAML = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
+
+
+def host(variant: str) -> HostInfo:
+    return HostInfo(
+        hostname="h", cpu_model="x", cpu_flags=[], cpu_variant=variant, cpu_variant_overridden=False,
+        physical_cores=16, logical_cores=32, numa_nodes=1, numa=[NumaNode(id=0, cpus=list(range(32)), mem_total_bytes=1 << 36, mem_free_bytes=1 << 36)],
+        ram_bytes=1 << 36, ram_available_bytes=1 << 36, gpus=[], disk_path="/", disk_free_bytes=1 << 40,
+        shm_bytes=1 << 33, shm_free_bytes=1 << 33,
+    )
+
+
+def deployments_by_entrypoint() -> dict[str, dict]:
+    return {d["entrypoint"]: d for d in PREFECT_YAML["deployments"]}
+
+
+def test_every_stage_has_one_deployment_on_its_pool_named_after_the_pool() -> None:
+    from flows.pipeline import stage_deployment
+    from flows.stages import STAGE_FLOWS, stage_flow_entrypoint
+
+    deployments = deployments_by_entrypoint()
+    for stage in STAGE_ORDER:
+        deployment = deployments[stage_flow_entrypoint(stage)]
+        pool = pool_for_stage(stage).name
+        assert deployment["work_pool"]["name"] == pool
+        assert deployment["name"] == pool
+        assert stage_deployment(stage) == f"{STAGE_FLOWS[stage].name}/{pool}"
+    pools_in_yaml = {d["work_pool"]["name"] for d in PREFECT_YAML["deployments"]}
+    assert pools_in_yaml == {pool.name for pool in WORK_POOLS}
+
+
+def test_parent_and_retrain_run_on_the_control_pool_with_an_inactive_schedule_and_the_dataset_trigger() -> None:
+    deployments = deployments_by_entrypoint()
+    parent = deployments["flows/pipeline.py:pipeline_distributed"]
+    retrain = deployments["flows/pipeline.py:retrain"]
+    assert parent["work_pool"]["name"] == retrain["work_pool"]["name"] == CONTROL_POOL
+    [schedule] = retrain["schedules"]
+    assert schedule["active"] is False and len(schedule["cron"].split()) == 5
+    [trigger] = retrain["triggers"]
+    assert trigger["expect"] == ["dataset.version.published"]
+    from flows.events import DATASET_PUBLISHED
+    from flows.pipeline import retrain as retrain_flow
+
+    assert trigger["expect"] == [DATASET_PUBLISHED]
+    assert set(trigger["parameters"]) <= set(inspect.signature(retrain_flow.fn).parameters)
+
+
+def test_every_entrypoint_is_a_flow_and_stage_flows_take_their_tasks_parameters() -> None:
+    import importlib
+
+    from flows.stages import STAGE_FLOWS, STAGE_TASKS
+
+    for deployment in PREFECT_YAML["deployments"]:
+        path, name = deployment["entrypoint"].split(":")
+        module = path.removesuffix(".py").replace("/", ".")
+        flow = getattr(importlib.import_module(module), name)
+        assert hasattr(flow, "fn") and flow.name.startswith("ktflow-")
+    for stage in STAGE_ORDER:
+        # The parent sends a stage the same keyword arguments whether it runs it here or dispatches it.
+        flow_params = inspect.signature(STAGE_FLOWS[stage].fn).parameters
+        task_params = inspect.signature(STAGE_TASKS[stage].fn).parameters
+        assert list(flow_params) == list(task_params), stage
+
+
+@pytest.mark.parametrize(("variant", "joins"), [
+    ("amx", ["ktflow-control", "amx-train", "avx512-serve"]),
+    ("avx512_bf16", ["ktflow-control", "avx512-serve"]),
+    ("avx512_vnni", ["ktflow-control", "avx512-serve"]),
+])
+def test_a_host_joins_every_pool_it_qualifies_for(variant: str, joins: list[str]) -> None:
+    assert [pool.name for pool in choose_pools(host(variant))] == joins
+
+
+def test_a_pool_the_host_does_not_qualify_for_is_refused_with_the_reason() -> None:
+    with pytest.raises(HostRequirementError) as caught:
+        choose_pools(host("avx512_bf16"), ["avx512-serve", "amx-train"])
+    message = str(caught.value)
+    assert "--pool amx-train" in message and "amx" in message and "avx512_bf16" in message and "Fix:" in message
+    with pytest.raises(HostRequirementError, match="is not one of ktflow's pools"):
+        choose_pools(host("amx"), ["gpu-serve"])
+    with pytest.raises(HostRequirementError, match="qualifies for no stage pool"):
+        choose_pools(host("avx2"))
+
+
+def test_worker_launches_name_host_pool_and_checkout_for_the_flow_runs() -> None:
+    launches = worker_launches(choose_pools(host("amx")), host_name="gpu1", checkout=Path("/srv/ktflow"))
+    by_pool = {launch.pool: launch for launch in launches}
+    train = by_pool["amx-train"]
+    assert train.argv[1:] == ["-m", "prefect", "worker", "start", "--pool", "amx-train", "--type", "process",
+                              "--name", "gpu1-amx-train", "--limit", "1"]
+    assert train.env == {"KTFLOW_HOST_NAME": "gpu1", "KTFLOW_POOL": "amx-train", "KTFLOW_WORKER": "gpu1-amx-train",
+                         "KTFLOW_CHECKOUT": "/srv/ktflow"}
+    assert "--limit" not in by_pool["avx512-serve"].argv
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ktflow.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_ktflow_worker_cli_refuses_and_lists() -> None:
+    refused = cli("worker", "--pool", "amx-train", env={"KT_KERNEL_CPU_VARIANT": "avx2"})
+    assert refused.returncode == 2 and "pool amx-train needs" in refused.stderr
+    listed = json.loads(cli("worker", "--list", "--json", env={"KT_KERNEL_CPU_VARIANT": "avx512_vnni"}).stdout)
+    assert {p["pool"]: p["qualifies"] for p in listed["pools"]} == {
+        "ktflow-control": True, "amx-train": False, "avx512-serve": True}
+    planned = json.loads(cli("worker", "--dry-run", "--name", "n1", env={"KT_KERNEL_CPU_VARIANT": "amx"}).stdout)
+    assert [p["pool"] for p in planned] == ["ktflow-control", "amx-train", "avx512-serve"]
+
+
+def _sleeper(name: str, exit_after: float | None = None) -> WorkerLaunch:
+    code = f"import time,signal,sys; time.sleep({exit_after}); sys.exit(3)" if exit_after else (
+        "import signal,sys,time\nsignal.signal(signal.SIGINT, lambda *a: sys.exit(0))\ntime.sleep(120)")
+    return WorkerLaunch(pool=name, name=name, argv=[sys.executable, "-c", code], env={})
+
+
+def test_supervised_workers_stop_together_when_one_exits() -> None:
+    started = time.monotonic()
+    code = run_workers([_sleeper("a"), _sleeper("b", exit_after=1.0)], log=lambda line: None)
+    assert code == 3  # the failed worker's code, so a unit's Restart= restarts the lot
+    assert time.monotonic() - started < 30
+
+
+def test_supervised_workers_stop_on_sigterm() -> None:
+    script = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from tests.test_deployments import _sleeper\n"
+        "from ktflow.worker import run_workers\n"
+        "print('up', flush=True)\n"
+        "sys.exit(run_workers([_sleeper('a'), _sleeper('b')], log=lambda line: None))\n" % str(REPO)
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+    time.sleep(1.0)
+    import psutil
+
+    children = psutil.Process(proc.pid).children()
+    assert len(children) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive

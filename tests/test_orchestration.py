@@ -1,0 +1,251 @@
+"""The distributed pipeline on a real Prefect server with two ``ktflow worker`` "hosts".
+
+One worker is advertised as the training host (KT_KERNEL_CPU_VARIANT=amx: the override
+kt-kernel itself obeys, so it qualifies for the amx-train pool), the other as the serving host
+(this CPU, avx512-serve). Deployments come from deployments/prefect.yaml; runs are started
+with the ``prefect`` CLI, as users do. Every stage is real (tiny Kimi-K2.5 fixture,
+LlamaFactory SFT on CPU, kt-kernel INT8, LlamaFactory's OpenAI server).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from prefect_cluster import REPO, Cluster, free_port, prefect_cluster
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (REPO / ".venv-train").exists() or not (REPO / ".venv-serve").exists(),
+                       reason="toolchains not installed (make test installs them)"),
+]
+
+TRAIN, SERVE = "train-host", "serve-host"
+TRAIN_STAGES = {"download", "dequantize", "sft"}
+
+
+class Setup:
+    def __init__(self, cluster: Cluster, root: Path, recipe_file: Path) -> None:
+        self.cluster, self.root, self.recipe_file = cluster, root, recipe_file
+
+    def recipe(self, dataset: Path | None = None) -> dict:
+        from ktflow.recipe import load_recipe
+
+        overrides = [f"dataset.files={json.dumps([str(dataset)])}"] if dataset else []
+        return load_recipe(self.recipe_file, overrides).model_dump(mode="json")
+
+    def dataset_variant(self, name: str, old: str, new: str) -> Path:
+        """A copy of the training data with one record changed (a new data hash: SFT reruns)."""
+        lines = (self.root / "data/train.jsonl").read_text().splitlines()
+        lines[0] = lines[0].replace(old, new)
+        assert lines[0] != (self.root / "data/train.jsonl").read_text().splitlines()[0]
+        path = self.root / "data" / name
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def start_pipeline(self, recipe: dict) -> str:
+        done = self.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
+                                    json.dumps({"recipe": recipe}))
+        return _run_id(done.stdout)
+
+    def flow_runs(self, flow: str, states: list[str] | None = None) -> list[dict]:
+        body: dict = {"flows": {"name": {"any_": [flow]}}, "sort": "EXPECTED_START_TIME_DESC"}
+        if states:
+            body["flow_runs"] = {"state": {"type": {"any_": states}}}
+        return self.cluster.api("POST", "/flow_runs/filter", body)  # type: ignore[return-value]
+
+    def flow_run(self, run_id: str) -> dict:
+        return self.cluster.api("GET", f"/flow_runs/{run_id}")  # type: ignore[return-value]
+
+    def wait_state(self, run_id: str, types: set[str], timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.flow_run(run_id)
+            if run["state_type"] in types:
+                return run
+            time.sleep(1)
+        raise AssertionError(f"flow run {run_id} still {self.flow_run(run_id)['state_type']} after {timeout} s")
+
+    def artifacts(self, flow_run_id: str | None = None, key_like: str | None = None) -> list[dict]:
+        body: dict = {"artifacts": {}}
+        if key_like:
+            body["artifacts"]["key"] = {"like_": key_like}
+        if flow_run_id:
+            body["artifacts"]["flow_run_id"] = {"any_": [flow_run_id]}
+        return self.cluster.api("POST", "/artifacts/filter", body)  # type: ignore[return-value]
+
+    def summary(self, flow_run_id: str) -> dict[str, str]:
+        [artifact] = self.artifacts(flow_run_id, "pipeline-summary")
+        rows = json.loads(artifact["data"]) if isinstance(artifact["data"], str) else artifact["data"]
+        return {row["stage"]: row["result"] for row in rows}
+
+    def endpoint_record(self) -> dict:
+        return json.loads((self.root / "store/serving/tiny-demo/endpoint.json").read_text())
+
+
+def _run_id(cli_output: str) -> str:
+    match = re.search(r"UUID: ([0-9a-f-]{36})", cli_output)
+    assert match, cli_output
+    return match.group(1)
+
+
+def _tool_processes() -> list[psutil.Process]:
+    """Live processes started by ktflow's tool runner (training, converters, quantizer)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if "KTFLOW_TOOL_RUN" in proc.environ() and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _processes_of_run(run_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PREFECT__FLOW_RUN_ID") == run_id:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    from ktflow.demo import write_demo_dataset
+    from ktflow.fixtures import FixtureSpec, make_fixture
+
+    root = tmp_path_factory.mktemp("distributed")
+    make_fixture(FixtureSpec(kind="kimi-k2.5"), root / "model")
+    write_demo_dataset(root / "data")
+    recipe = yaml.safe_load((REPO / "recipes/tiny-demo.yaml").read_text())
+    recipe["source"]["local_path"] = str(root / "model")
+    recipe["dataset"]["files"] = [str(root / "data/train.jsonl")]
+    recipe["evaluation"]["files"] = [str(root / "data/eval.jsonl")]
+    recipe["store"]["root"] = str(root / "store")
+    recipe["serving"]["port"] = free_port()
+    recipe_file = root / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe))
+    with prefect_cluster(root / "prefect") as cluster:
+        cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], {"KT_KERNEL_CPU_VARIANT": "amx"})
+        cluster.start_worker(SERVE, ["avx512-serve"])
+        try:
+            yield Setup(cluster, root, recipe_file)
+        finally:
+            subprocess.run([sys.executable, "-m", "ktflow.cli", "serve", str(recipe_file), "--stop"], cwd=REPO,
+                           capture_output=True, timeout=120)
+
+
+def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup) -> None:
+    from ktflow.pools import pool_for_stage
+
+    done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
+                                 json.dumps({"recipe": setup.recipe()}), "--watch", timeout=900)
+    assert "Completed" in done.stdout, done.stdout[-3000:]
+    parent = _run_id(done.stdout)
+    assert setup.flow_run(parent)["state_type"] == "COMPLETED"
+
+    where = {}
+    for artifact in setup.artifacts(key_like="stage-host-"):
+        [row] = json.loads(artifact["data"]) if isinstance(artifact["data"], str) else artifact["data"]
+        where[row["stage"]] = row
+    assert set(where) == {"download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate"}
+    for stage, row in where.items():
+        host = TRAIN if stage in TRAIN_STAGES else SERVE
+        pool = pool_for_stage(stage).name  # type: ignore[arg-type]
+        assert (row["host"], row["pool"], row["worker_pool"], row["worker"]) == (host, pool, pool, f"{host}-{pool}"), row
+    # The child runs hang under the parent (as_subflow): the UI shows one tree.
+    children = [setup.flow_run(row["flow_run"]) for row in where.values()]
+    assert all(child["state_type"] == "COMPLETED" for child in children)
+    summary = setup.summary(parent)
+    assert "steps" in summary["sft"] and summary["evaluate"] == "adapter applied: True, promoted: True"
+
+
+def test_publishing_an_unchanged_dataset_retrains_as_a_cache_hit_without_restarting_the_server(setup: Setup) -> None:
+    before = setup.endpoint_record()
+    published = setup.cluster.ktflow("dataset", "publish", str(setup.root / "data/train.jsonl"),
+                                     "--recipe", str(setup.recipe_file), "--json")
+    event = json.loads(published.stdout)
+    assert event["event"] == "dataset.version.published" and event["payload"]["records"] == 48
+
+    deadline = time.monotonic() + 300
+    runs: list[dict] = []
+    while time.monotonic() < deadline:
+        runs = setup.flow_runs("ktflow-retrain")
+        if runs and runs[0]["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        time.sleep(2)
+    assert runs, "the event started no retrain"
+    [run] = runs
+    assert run["state_type"] == "COMPLETED", run["state"]
+    assert run["parameters"]["dataset_file"] == str(setup.root / "data/train.jsonl")
+    summary = setup.summary(run["id"])
+    assert summary["dequantize"].endswith("(cached)") and summary["sft"].endswith("(cached)")
+    after = setup.endpoint_record()
+    assert (after["pid"], after["url"]) == (before["pid"], before["url"])  # not restarted
+
+
+def test_a_bad_dataset_is_not_published(setup: Setup) -> None:
+    bad = setup.root / "data/bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{not json\n')
+    done = setup.cluster.ktflow("dataset", "publish", str(bad), "--recipe", str(setup.recipe_file), check=False)
+    assert done.returncode == 2
+    assert "bad.jsonl:2" in done.stderr or "bad.jsonl:2" in done.stdout, done.stderr
+
+
+def test_cancelling_the_parent_cancels_the_running_stage_and_leaves_no_process(setup: Setup) -> None:
+    data = setup.dataset_variant("cancel.jsonl", "nya~", "nya nya nya~")
+    parent = setup.start_pipeline(setup.recipe(data))
+    deadline = time.monotonic() + 300
+    while not _tool_processes():  # the training subprocess is up
+        assert time.monotonic() < deadline, "SFT never started"
+        assert setup.flow_run(parent)["state_type"] not in ("FAILED", "CRASHED", "COMPLETED")
+        time.sleep(0.5)
+    [sft] = setup.flow_runs("ktflow-sft", ["RUNNING"])
+    setup.cluster.prefect("flow-run", "cancel", parent)
+    setup.wait_state(parent, {"CANCELLED"}, 120)
+    setup.wait_state(sft["id"], {"CANCELLED", "CRASHED"}, 120)
+    deadline = time.monotonic() + 60
+    while (left := _tool_processes() + _processes_of_run(sft["id"])) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, [p.cmdline() for p in left]
+
+
+def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup) -> None:
+    data = setup.dataset_variant("kill.jsonl", "nya~", "nya, nya~")
+    earlier = set((setup.root / "store").glob("runs/*/output/checkpoint-2"))
+    parent = setup.start_pipeline(setup.recipe(data))
+    deadline = time.monotonic() + 400
+    checkpoint = None
+    while checkpoint is None:
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        assert setup.flow_run(parent)["state_type"] not in ("FAILED", "CRASHED", "COMPLETED", "CANCELLED")
+        checkpoint = next(iter(set((setup.root / "store").glob("runs/*/output/checkpoint-2")) - earlier), None)
+        time.sleep(0.5)
+    [sft] = setup.flow_runs("ktflow-sft", ["RUNNING"])
+    victims = _processes_of_run(sft["id"]) + _tool_processes()
+    assert victims
+    for proc in victims:  # the stage's flow process and its trainer die at once, as on a crash
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    setup.wait_state(sft["id"], {"CRASHED", "FAILED"}, 120)
+    final = setup.wait_state(parent, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, 600)
+    assert final["state_type"] == "COMPLETED", final["state"]
+    sft_runs = setup.flow_runs("ktflow-sft")
+    retried = [run for run in sft_runs if run["id"] != sft["id"] and run["created"] > sft["created"]]
+    assert retried and retried[0]["state_type"] == "COMPLETED"
+    assert "resumed from" in setup.summary(parent)["sft"] and "checkpoint-" in setup.summary(parent)["sft"]
