@@ -45,7 +45,15 @@ from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, I
 from ktflow.process import run_tool
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.sft import ADAPTER_FILES, tool_versions
-from ktflow.store import StageManifest, publish_dir, read_manifest, staging_dir_for
+from ktflow.store import (
+    StageManifest,
+    artifact_lock,
+    check_free_space,
+    publish_dir,
+    read_manifest,
+    staging_dir_for,
+    storage_errors,
+)
 
 STAGE = "convert-lora"
 ADAPTER_MODEL = "adapter_model.safetensors"
@@ -53,6 +61,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 FUSED_EXPERT_LORA = "fused_expert_lora.safetensors"
 KT_MANIFEST = "kt_adapter_manifest.json"
 KT_MANIFEST_VERSION = 1  # kt-kernel 0.7's artifacts.KT_ADAPTER_MANIFEST_VERSION
+KT_KERNEL_SERIES = "0.7"  # the kt-kernel release line whose converter and manifest format ktflow reads
 CONVERTER_MODULE = "kt_kernel.sft.convert_kt_to_sglang_adapter"
 PEFT_PREFIX = "base_model.model."
 KT_WRAPPER = ".orig_module"  # KTransformers' wrapper modules; kt-kernel's converter strips it
@@ -348,11 +357,11 @@ def _peft_modules(path: Path, *, strip_kt_wrapper: bool) -> tuple[dict[str, _Lor
 
 
 def _check_module(entry: _LoraModule, base: _Base, rank: int, adapter_dir: Path) -> None:
-    for slot, other in (("a", "lora_B"), ("b", "lora_A")):
+    for slot, missing in (("a", "lora_A"), ("b", "lora_B")):
         if getattr(entry, slot) is None:
             key = (entry.b if slot == "a" else entry.a)[0]
             raise AdapterError(f"{adapter_dir / entry.file}: tensor '{key}'",
-                               f"has no matching {other}; a LoRA needs both matrices.", "re-save the adapter.")
+                               f"has no matching {missing}; a LoRA needs both matrices.", "re-save the adapter.")
     assert entry.a is not None and entry.b is not None
     found = base.weight(entry.module)
     if found is None:
@@ -510,7 +519,26 @@ def _require_dir(adapter_dir: Path) -> Path:
         raise AdapterError(str(adapter_dir), "is not a directory." if adapter_dir.exists() else "does not exist.",
                            "pass the adapter directory (LlamaFactory's output_dir, a checkpoint-N or the SFT "
                            "stage's adapter).")
-    return adapter_dir.resolve()
+    adapter_dir = adapter_dir.resolve()
+    _refuse_links_out(adapter_dir)
+    return adapter_dir
+
+
+def _refuse_links_out(adapter_dir: Path) -> None:
+    """Refuse an adapter file that is a symbolic link leading out of the adapter directory.
+
+    The files are read, hashed and copied into the store (and served): a link would make ktflow
+    publish whatever it points at (another user's file, a secret) as part of an adapter.
+    """
+    for name in ADAPTER_FILES:
+        path = adapter_dir / name
+        if not path.is_symlink():
+            continue
+        target = Path(os.path.realpath(path))
+        if adapter_dir not in target.parents:
+            raise AdapterError(str(path), f"is a symbolic link to {target}, outside the adapter directory; ktflow "
+                                          "does not follow links out of an adapter.",
+                               "copy the real file into the adapter directory instead of linking it.")
 
 
 def validate_adapter(adapter_dir: Path, base_dir: Path) -> tuple[int, list[str]]:
@@ -556,6 +584,18 @@ def _cached(out_dir: Path, manifest: StageManifest) -> StageManifest | None:
         if not file.is_file() or file.stat().st_size != entry.size:
             return None
     return existing
+
+
+def _input_stats(adapter_dir: Path) -> dict[str, tuple[int, int]]:
+    """``{file: (size, mtime_ns)}`` of the adapter files present: what a rewrite changes."""
+    out = {}
+    for name in ADAPTER_FILES:
+        try:
+            st = (adapter_dir / name).stat()
+        except FileNotFoundError:
+            continue
+        out[name] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 def _run_converter(
@@ -604,6 +644,7 @@ def convert_lora(
     lora_alpha: float | None = None,
     env: Mapping[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
+    _locked: bool = False,
 ) -> ConvertLoraResult:
     """Make ``adapter_dir`` servable by SGLang against ``base_dir`` and publish it as ``out_dir``.
 
@@ -620,10 +661,17 @@ def convert_lora(
 
     Raises:
         AdapterError: a tampered/unfinished KT manifest, or an adapter that does not fit the base.
-        HostRequirementError: the serving toolchain (kt-kernel) is missing (KT fused path).
+        HostRequirementError: the serving toolchain (kt-kernel) is missing (KT fused path); too
+            little free disk or an unwritable OUT_DIR (before any work).
+        StorageError: the disk filled up (or became read-only) mid-run; nothing published.
+        KtflowError: an adapter file changed while it was being converted; nothing published.
         ToolError: kt-kernel's converter failed.
+
+    Concurrent runs onto one ``out_dir`` are serialized (:func:`~ktflow.store.artifact_lock`):
+    the second waits, then finds the artifact published (a cache hit).
     """
     adapter_dir = _require_dir(adapter_dir)
+    inputs_before = _input_stats(adapter_dir)  # before hashing: any later rewrite is seen
     out_dir, base_dir = Path(out_dir).absolute(), Path(base_dir).resolve()
     out_dir = out_dir.parent.resolve() / out_dir.name  # the converter compares resolved paths
     hashes = verify_kt_manifest(adapter_dir)  # first: nothing is trusted before this passes
@@ -655,6 +703,13 @@ def convert_lora(
                 f"serve_python {serve_python}",
                 "is missing or has no kt-kernel; converting a KT fused expert LoRA needs kt-kernel's converter.",
                 "run `make serve-env`, or set toolchains.serve.python to the python of the environment with kt-kernel.")
+        if tools["kt-kernel"].split("+")[0].split(".")[:2] != KT_KERNEL_SERIES.split("."):
+            raise HostRequirementError(
+                f"serve_python {serve_python}",
+                f"has kt-kernel {tools['kt-kernel']}; the KT fused adapter format (manifest version "
+                f"{KT_MANIFEST_VERSION}) and its converter are kt-kernel {KT_KERNEL_SERIES}'s.",
+                f"run `make serve-env` (kt-kernel {KT_KERNEL_SERIES}.x, pinned in constraints/serve.txt), or point "
+                "toolchains.serve.python at such an environment.")
     manifest = StageManifest(
         stage=STAGE,
         inputs={**{f"adapter/{name}": digest for name, digest in sorted(hashes.items())},
@@ -667,6 +722,12 @@ def convert_lora(
         return ConvertLoraResult(path=out_dir, kind=kind, cached=True, tensors=existing.extra["tensors"],
                                  rank=existing.extra["rank"], target_modules=existing.extra["target_modules"],
                                  manifest_digest=existing.digest())
+    if not _locked:  # one writer per OUT_DIR; a concurrent run waits here, then finds it published
+        with artifact_lock(out_dir), storage_errors(out_dir):
+            return convert_lora(adapter_dir, out_dir, base_dir=base_dir, serve_python=serve_python,
+                                lora_alpha=lora_alpha, env=env, on_line=on_line, _locked=True)
+    size = sum(st[0] for st in inputs_before.values())
+    check_free_space(out_dir, size * (2 if kind == "kt-fused" else 1), what="the converted adapter", files=4)
 
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
@@ -677,6 +738,9 @@ def convert_lora(
         else:
             _publish_peft(adapter_dir, staging, base_dir, lora_alpha)
         result = _check_result(staging, base, base_dir, source, kind)
+        if _input_stats(adapter_dir) != inputs_before:
+            raise KtflowError(f"{adapter_dir}: adapter files changed while being converted ({sorted(inputs_before)}); "
+                              "nothing was published. Rerun once the training output is stable.")
         manifest = manifest.model_copy(update={"extra": {
             "tensors": result.tensors, "rank": result.rank, "lora_alpha": result.alpha,
             "target_modules": result.target_modules, "source": str(adapter_dir),

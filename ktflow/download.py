@@ -25,6 +25,7 @@ This module never imports Prefect; the Prefect task around it adds caching and a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import json
@@ -58,7 +59,15 @@ from pydantic import BaseModel, ConfigDict
 
 from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
 from ktflow.recipe import SourceConfig
-from ktflow.store import FileEntry, StageManifest, publish_dir, read_manifest, staging_dir_for
+from ktflow.store import (
+    FileEntry,
+    StageManifest,
+    artifact_lock,
+    publish_dir,
+    read_manifest,
+    staging_dir_for,
+    storage_errors,
+)
 
 __all__ = [
     "ChecksumMismatchError",
@@ -307,61 +316,66 @@ def _download_from_hub(
         )
     total = sum(f.size for f in selected)
 
-    staging = staging_dir_for(final)
-    staging.mkdir(parents=True, exist_ok=True)
-    _remove_stale_incomplete(staging)
-    # Only complete files from an earlier attempt count as done (hf renames a file into
-    # place once all of it arrived); they are still hashed below like the rest.
-    done = sum(f.size for f in selected if _has_size(staging / f.path, f.size))
-    _preflight_disk(staging, total - done)
-    if progress is not None:
-        progress(done, total)
+    with artifact_lock(final), storage_errors(final, need=total):
+        hit = _cache_hit(final, settings)  # again: a run that held the lock may have published it
+        if hit is not None:
+            return _report_hit(hit, final, sha, progress)
+        staging = staging_dir_for(final)
+        staging.mkdir(parents=True, exist_ok=True)
+        _remove_stale_incomplete(staging)
+        # Only complete files from an earlier attempt count as done (hf renames a file into
+        # place once all of it arrived); they are still hashed below like the rest.
+        done = sum(f.size for f in selected if _has_size(staging / f.path, f.size))
+        _preflight_disk(staging, total - done)
+        if progress is not None:
+            progress(done, total)
 
-    def fetch() -> None:
-        snapshot_download(
-            repo_id,
-            revision=sha,
-            local_dir=staging,
-            allow_patterns=patterns,
-            token=token,
-            endpoint=endpoint,
-            max_workers=max_workers,
+        def fetch() -> None:
+            snapshot_download(
+                repo_id,
+                revision=sha,
+                local_dir=staging,
+                allow_patterns=patterns,
+                token=token,
+                endpoint=endpoint,
+                max_workers=max_workers,
+            )
+            # snapshot_download returns an existing non-empty local_dir, with only a warning, when
+            # the hub cannot be reached for the listing: a partial staging dir is not success.
+            missing = [f.path for f in selected if not (staging / f.path).is_file()]
+            if missing:
+                raise _IncompleteFetch(missing)
+
+        with _ProgressPoller(progress, [(staging / f.path, f.size) for f in selected], total):
+            try:
+                _with_retries(fetch, what=f"downloading {repo_id}@{sha}", max_retries=max_retries, token=token)
+            except KtflowError:
+                raise
+            except Exception as exc:
+                _reraise_storage_error(exc)
+                raise _translate_error(exc, repo_id=repo_id, revision=sha, token=token, max_retries=max_retries) from exc
+
+        entries = _verify_hub_files(staging, selected, max_workers=max_workers)
+        _finalize_staging(staging, {f.path for f in selected})
+        manifest = StageManifest(
+            stage=STAGE,
+            inputs={"source": f"hf://{repo_id}@{sha}"},
+            settings=settings,
+            tools={"huggingface_hub": huggingface_hub.__version__},
+            files=entries,
+            # The requested ref ("main") is deliberately not recorded: pinning the same commit by
+            # name or by sha must give the same manifest digest, or every downstream stage of a
+            # 600 GB model would recompute. The resolution is logged instead.
+            extra={"source": "hub", "repo_id": repo_id, "revision": sha, "total_bytes": total},
         )
-        # snapshot_download returns an existing non-empty local_dir, with only a warning, when
-        # the hub cannot be reached for the listing: a partial staging dir is not success.
-        missing = [f.path for f in selected if not (staging / f.path).is_file()]
-        if missing:
-            raise _IncompleteFetch(missing)
-
-    with _ProgressPoller(progress, [(staging / f.path, f.size) for f in selected], total):
-        try:
-            _with_retries(fetch, what=f"downloading {repo_id}@{sha}", max_retries=max_retries, token=token)
-        except KtflowError:
-            raise
-        except Exception as exc:
-            raise _translate_error(exc, repo_id=repo_id, revision=sha, token=token, max_retries=max_retries) from exc
-
-    entries = _verify_hub_files(staging, selected, max_workers=max_workers)
-    _finalize_staging(staging, {f.path for f in selected})
-    manifest = StageManifest(
-        stage=STAGE,
-        inputs={"source": f"hf://{repo_id}@{sha}"},
-        settings=settings,
-        tools={"huggingface_hub": huggingface_hub.__version__},
-        files=entries,
-        # The requested ref ("main") is deliberately not recorded: pinning the same commit by
-        # name or by sha must give the same manifest digest, or every downstream stage of a
-        # 600 GB model would recompute. The resolution is logged instead.
-        extra={"source": "hub", "repo_id": repo_id, "revision": sha, "total_bytes": total},
-    )
-    published = publish_dir(staging, final, manifest)
-    if progress is not None:
-        progress(total, total)
-    log.info("published %s (%d files, %s)", final, len(entries), _human(total))
-    return DownloadResult(
-        path=final, revision=sha, files=len(entries), bytes=total,
-        manifest_digest=published.digest(), cached=False,
-    )  # fmt: skip
+        published = publish_dir(staging, final, manifest)
+        if progress is not None:
+            progress(total, total)
+        log.info("published %s (%d files, %s)", final, len(entries), _human(total))
+        return DownloadResult(
+            path=final, revision=sha, files=len(entries), bytes=total,
+            manifest_digest=published.digest(), cached=False,
+        )  # fmt: skip
 
 
 def _list_hub_files(api: HfApi, repo_id: str, sha: str, token: str | None) -> list[_HubFile]:
@@ -458,8 +472,13 @@ def _reference_local(
             "source.allow_patterns", f"no file of {src} matches {patterns}",
             fix="fix the patterns (globs relative to the checkpoint directory).",
         )  # fmt: skip
-    sizes = {rel: (src / rel).stat().st_size for rel in rels}
+    stats = {rel: _size_mtime(src / rel) for rel in rels}
+    sizes = {rel: st[0] for rel, st in stats.items()}
     sampled = dict(zip(rels, _parallel(lambda rel: _sampled_hash(src / rel, sizes[rel]), rels, max_workers)))
+    changed = [rel for rel in rels if _size_mtime(src / rel) != stats[rel]]
+    if changed:  # an identity half from the old files, half from the new ones would name neither
+        raise DownloadError(f"{src}: {', '.join(changed[:5])} changed while the checkpoint was being identified; "
+                            "nothing was published. Rerun once the source is stable.")
     identity = _digest_json(
         {"allow_patterns": patterns, "sample_bytes": SAMPLE_BYTES, "files": [[r, sizes[r], sampled[r]] for r in rels]}
     )
@@ -476,31 +495,37 @@ def _reference_local(
         "total_bytes": total,
     }
 
-    existing = read_manifest(final)
-    # Same content at another path is republished so source_path always points at this copy.
-    if existing is not None and existing.settings == settings and existing.extra.get("source_path") == str(src):
+    with artifact_lock(final), storage_errors(final):
+        existing = read_manifest(final)
+        # Same content at another path is republished so source_path always points at this copy.
+        if existing is not None and existing.settings == settings and existing.extra.get("source_path") == str(src):
+            if progress is not None:
+                progress(total, total)
+            return DownloadResult(
+                path=src, revision=revision, files=len(rels), bytes=total, manifest_digest=existing.digest(), cached=True
+            )
+
+        staging = staging_dir_for(final)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        manifest = StageManifest(
+            stage=STAGE,
+            inputs={"source": f"local://{identity}"},
+            settings=settings,
+            files=[FileEntry(path=r, size=sizes[r]) for r in rels],
+            extra=extra,
+        )
+        published = publish_dir(staging, final, manifest)
         if progress is not None:
             progress(total, total)
         return DownloadResult(
-            path=src, revision=revision, files=len(rels), bytes=total, manifest_digest=existing.digest(), cached=True
+            path=src, revision=revision, files=len(rels), bytes=total, manifest_digest=published.digest(), cached=False
         )
 
-    staging = staging_dir_for(final)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    manifest = StageManifest(
-        stage=STAGE,
-        inputs={"source": f"local://{identity}"},
-        settings=settings,
-        files=[FileEntry(path=r, size=sizes[r]) for r in rels],
-        extra=extra,
-    )
-    published = publish_dir(staging, final, manifest)
-    if progress is not None:
-        progress(total, total)
-    return DownloadResult(
-        path=src, revision=revision, files=len(rels), bytes=total, manifest_digest=published.digest(), cached=False
-    )
+
+def _size_mtime(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def _sampled_hash(path: Path, size: int) -> str:
@@ -588,56 +613,73 @@ def _download_from_uri(
     if hit is not None:
         return _report_hit(hit, final, f"uri-{identity[:16]}", progress)
 
-    staging = staging_dir_for(final)
-    staging.mkdir(parents=True, exist_ok=True)
-    done_files = {r for r in rels if _has_size(staging / r, listing[r][0])}
-    _preflight_disk(staging, sum(listing[r][0] for r in rels if r not in done_files))
+    with artifact_lock(final), storage_errors(final, need=total):
+        hit = _cache_hit(final, settings)  # again: a run that held the lock may have published it
+        if hit is not None:
+            return _report_hit(hit, final, f"uri-{identity[:16]}", progress)
+        staging = staging_dir_for(final)
+        staging.mkdir(parents=True, exist_ok=True)
+        done_files = {r for r in rels if _has_size(staging / r, listing[r][0])}
+        _preflight_disk(staging, sum(listing[r][0] for r in rels if r not in done_files))
 
-    lock = threading.Lock()
-    done = sum(listing[r][0] for r in done_files)
-    if progress is not None:
-        progress(done, total)
+        lock = threading.Lock()
+        done = sum(listing[r][0] for r in done_files)
+        if progress is not None:
+            progress(done, total)
 
-    def fetch(rel: str) -> tuple[str, str]:
-        nonlocal done
-        size = listing[rel][0]
-        dest = staging / rel
-        if rel in done_files:
-            digest = _hash_file(dest, git_blob=False)[0]
-        else:
-            digest = _with_retries(
-                lambda: _copy_resumable(fs, f"{root}/{rel}", dest, size),
-                what=f"copying {uri}/{rel}", max_retries=max_retries, token=None,
-            )  # fmt: skip
-            with lock:
-                done += size
-                if progress is not None:
-                    progress(done, total)
-        return rel, digest
+        def fetch(rel: str) -> tuple[str, str]:
+            nonlocal done
+            size = listing[rel][0]
+            dest = staging / rel
+            if rel in done_files:
+                digest = _hash_file(dest, git_blob=False)[0]
+            else:
+                digest = _with_retries(
+                    lambda: _copy_resumable(fs, f"{root}/{rel}", dest, size),
+                    what=f"copying {uri}/{rel}", max_retries=max_retries, token=None,
+                )  # fmt: skip
+                with lock:
+                    done += size
+                    if progress is not None:
+                        progress(done, total)
+            return rel, digest
 
-    try:
-        hashes = dict(_parallel(fetch, rels, max_workers))
-    except KtflowError:
-        raise
-    except Exception as exc:
-        raise DownloadError(f"copying {uri} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            hashes = dict(_parallel(fetch, rels, max_workers))
+        except KtflowError:
+            raise
+        except Exception as exc:
+            _reraise_storage_error(exc)
+            raise DownloadError(f"copying {uri} failed: {type(exc).__name__}: {exc}") from exc
+        try:  # the copies must all be of the listed versions: a file rewritten meanwhile would mix two
+            relisted = _with_retries(lambda: _list_uri(fs, root), what=f"listing {uri}", max_retries=max_retries,
+                                     token=None)
+        except KtflowError:
+            raise
+        except Exception as exc:
+            raise DownloadError(f"listing {uri} failed: {type(exc).__name__}: {exc}") from exc
+        changed = [r for r in rels if relisted.get(r) != listing[r]]
+        if changed:  # this staging dir belongs to a version that no longer exists: nothing to resume
+            shutil.rmtree(staging, ignore_errors=True)
+            raise DownloadError(f"{uri}: {', '.join(changed[:5])} changed while being copied; nothing was "
+                                "published. Rerun once the source is stable.")
 
-    _finalize_staging(staging, set(rels))
-    manifest = StageManifest(
-        stage=STAGE,
-        inputs={"source": f"{uri}#{identity}"},
-        settings=settings,
-        tools={"fsspec": fsspec.__version__},
-        files=[FileEntry(path=r, size=listing[r][0], sha256=hashes[r]) for r in rels],
-        extra={"source": "uri", "uri": uri, "total_bytes": total},
-    )
-    published = publish_dir(staging, final, manifest)
-    if progress is not None:
-        progress(total, total)
-    return DownloadResult(
-        path=final, revision=f"uri-{identity[:16]}", files=len(rels), bytes=total,
-        manifest_digest=published.digest(), cached=False,
-    )  # fmt: skip
+        _finalize_staging(staging, set(rels))
+        manifest = StageManifest(
+            stage=STAGE,
+            inputs={"source": f"{uri}#{identity}"},
+            settings=settings,
+            tools={"fsspec": fsspec.__version__},
+            files=[FileEntry(path=r, size=listing[r][0], sha256=hashes[r]) for r in rels],
+            extra={"source": "uri", "uri": uri, "total_bytes": total},
+        )
+        published = publish_dir(staging, final, manifest)
+        if progress is not None:
+            progress(total, total)
+        return DownloadResult(
+            path=final, revision=f"uri-{identity[:16]}", files=len(rels), bytes=total,
+            manifest_digest=published.digest(), cached=False,
+        )  # fmt: skip
 
 
 # Listing fields that change when an object changes, by backend (s3, gcs, local, memory, ...).
@@ -943,6 +985,13 @@ def _with_retries(fn: Callable[[], T], *, what: str, max_retries: int, token: st
                 what, _scrub(_one_line(exc), token), attempt, max_retries, delay,
             )  # fmt: skip
             _sleep(delay)
+
+
+def _reraise_storage_error(exc: BaseException) -> None:
+    """Raise the full-disk / read-only OSError behind ``exc``, if any, for storage_errors to name."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+            raise e
 
 
 def _one_line(exc: BaseException) -> str:

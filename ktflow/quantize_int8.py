@@ -37,6 +37,7 @@ The output depends on T: serve with the same ``--kt-threadpool-count``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -56,7 +57,16 @@ from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputErr
 from ktflow.hardware import probe_host, variant_at_least
 from ktflow.process import ToolError, run_tool
 from ktflow.safetensors_io import SafetensorsHeader, read_header
-from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, publish_dir, read_manifest, staging_dir_for
+from ktflow.store import (
+    StageManifest,
+    artifact_lock,
+    atomic_write_bytes,
+    atomic_write_json,
+    publish_dir,
+    read_manifest,
+    staging_dir_for,
+    storage_errors,
+)
 
 STAGE = "quantize-int8"
 KT_METHOD = driver.KT_METHOD
@@ -262,6 +272,7 @@ def quantize_int8(
     fsync: bool = True,
     scratch_dir: Path | None = None,
     layers_per_process: int | None = None,
+    _locked: bool = False,
 ) -> QuantizeInt8Result:
     """Quantize a BF16 checkpoint's routed experts to kt-kernel AMXINT8 for ``--kt-threadpool-count T``.
 
@@ -294,8 +305,15 @@ def quantize_int8(
     Raises:
         InvalidInputError: not a BF16 checkpoint (run dequantize first), misaligned T, bad arguments.
         CheckpointError: the checkpoint is malformed or not a DeepSeek-V3-style MoE.
-        HostRequirementError: CPU without AVX512, no serving toolchain, too little RAM, scratch or disk.
-        KtflowError: kt-kernel failed, or verification exceeded ``max_rel_err`` (nothing published).
+        HostRequirementError: CPU without AVX512, no serving toolchain, too little RAM, scratch or disk,
+            or OUT_DIR's directory is not writable (all before any work).
+        StorageError: the disk filled up (or became read-only) mid-run; complete layers stay in
+            staging for the rerun, nothing is published.
+        KtflowError: kt-kernel failed, the BF16 source changed during the run, or verification
+            exceeded ``max_rel_err`` (nothing published).
+
+    Concurrent runs onto one ``out_dir`` are serialized (:func:`~ktflow.store.artifact_lock`):
+    the second waits, then finds the artifact published (a cache hit).
     """
     started = time.perf_counter()
     bf16_dir, out_dir = Path(bf16_dir).absolute(), Path(out_dir).absolute()
@@ -357,6 +375,11 @@ def quantize_int8(
                                   manifest_digest=existing.digest())
     if out_dir.exists() and existing is None:
         raise InvalidInputError(str(out_dir), "exists and is not a ktflow artifact.", "choose a new OUT_DIR or remove it")
+    if not _locked:  # one writer per OUT_DIR; a concurrent run waits here, then finds it published
+        with artifact_lock(out_dir), storage_errors(out_dir):
+            return quantize_int8(bf16_dir, out_dir, threadpool_count=t, serve_python=serve_python, workers=workers,
+                                 verify_layers=verify_layers, max_rel_err=max_rel_err, progress=progress, fsync=fsync,
+                                 scratch_dir=scratch_dir, layers_per_process=layers_per_process, _locked=True)
 
     # ---- host: CPU, RAM, scratch, disk
     host = probe_host(_existing_dir(out_dir.parent))
@@ -396,8 +419,9 @@ def quantize_int8(
     disk = _existing_dir(out_dir.parent)
     disk_free = shutil.disk_usage(disk).free
     if disk_free < (out_total - done_bytes) * 1.02:
-        problems.append(f"the output needs ~{(out_total - done_bytes) / _GiB:.2f} GiB more at {disk}; "
-                        f"{disk_free / _GiB:.2f} GiB is free")
+        need = int((out_total - done_bytes) * 1.02)
+        problems.append(f"the output needs ~{need / _GiB:.2f} GiB ({need} bytes) more at {disk}; "
+                        f"{disk_free / _GiB:.2f} GiB ({disk_free} bytes) is free")
     if problems:
         raise HostRequirementError(STAGE, "; ".join(problems), "free memory or disk, or run on a larger host")
 
@@ -448,6 +472,10 @@ def quantize_int8(
     recorded = {layer: {k: v for k, v in figures.items() if k != "seconds"} for layer, figures in verification.items()}
     if events.get("start") is None or finished != set(layout.moe_layers) or events.get("done") is None:
         raise KtflowError(f"the kt-int8 driver ended without finishing (see {staging / _LOG})")
+
+    if checkpoint_identity(bf16_dir) != identity:  # layers from two versions of the source: never publish a mix
+        raise KtflowError(f"{bf16_dir} changed while it was being quantized; nothing was published. Rerun the stage "
+                          "once the source is stable (the layers made from the old version are discarded).")
 
     # ---- index, copied files, manifest, publish
     weight_map: dict[str, str] = {}
@@ -528,7 +556,11 @@ def _run_driver(python: Path, plan_path: Path, log_path: Path, events: dict[str,
                     f"reference by mean relative error {bad} (layer: error), above max_rel_err {bound}; nothing "
                     f"published (log: {log_path})"
                 ) from None
-            message = events.get("error", {}).get("message")
+            failure = events.get("error", {})
+            message = failure.get("message")
+            if failure.get("errno") in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+                # a full or read-only output filesystem: the caller's storage_errors names it
+                raise OSError(failure["errno"], os.strerror(failure["errno"]), failure.get("filename")) from exc
             if message:
                 raise KtflowError(f"{STAGE}: the kt-kernel driver failed: {message} (log: {log_path})") from exc
             raise

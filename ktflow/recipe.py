@@ -44,7 +44,22 @@ _KEY_HINTS: dict[str, str] = {
     "tensor_parallel_size": "set serving.gpus (the tensor parallel size) instead",
     "tp_size": "set serving.gpus (the tensor parallel size) instead",
     "lora_paths": "ktflow passes the converted adapter itself; set serving.adapter_name",
+    # Secrets never go in a recipe (it is a flow parameter, stored and shown by Prefect).
+    "api_key": "a key never goes in a recipe; export it in the variable serving.api_key_env names",
+    "token": "a token never goes in a recipe; export HF_TOKEN (or use a Prefect Secret block)",
+    "hf_token": "a token never goes in a recipe; export HF_TOKEN (or use a Prefect Secret block)",
 }
+
+# Recipe fields that become one directory name under store.root (store/serving/<name>,
+# store/eval/<name>, store/runs/<name>-<key>, store/datasets/<name>-<digest>).
+def _path_component(value: str, allowed: str, chars: str) -> str:
+    """``value`` if it is a safe single directory name matching ``allowed``, else a ValueError."""
+    if not re.fullmatch(allowed, value) or value in (".", ".."):
+        raise ValueError(
+            f"{value!r:.80} is not a plain name; use {chars}, starting with a letter or digit (it names "
+            "directories under store.root, so no '/', '..' or absolute path)"
+        )
+    return value
 
 # LlamaFactory arguments that ktflow owns: an `extra_args` entry may not set them.
 _OWNED_TRAIN_ARGS = frozenset(
@@ -76,8 +91,23 @@ class SourceConfig(_Strict):
     @field_validator("repo_id")
     @classmethod
     def _repo_id_shape(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", value):
+        if value is not None and (
+            not re.fullmatch(r"[\w.-]+/[\w.-]+", value) or any(p in (".", "..") for p in value.split("/"))
+        ):
             raise ValueError(f"'{value}' is not a hub repo id; write it as owner/name")
+        return value
+
+    @field_validator("revision")
+    @classmethod
+    def _revision_shape(cls, value: str) -> str:
+        # A git ref never has a '..' component, a leading '/' or a backslash (git check-ref-format);
+        # the revision is part of a directory name under store.root/weights.
+        parts = value.split("/")
+        if not value or value.startswith("/") or "\\" in value or any(p in ("", ".", "..") for p in parts) \
+                or any(ord(c) < 32 for c in value):
+            raise ValueError(
+                f"{value!r} is not a branch, tag or commit sha; use e.g. main, v1.0 or a 40-hex commit"
+            )
         return value
 
     @model_validator(mode="after")
@@ -94,7 +124,10 @@ class SourceConfig(_Strict):
 class DatasetConfig(_Strict):
     """The training data, as LlamaFactory's dataset_info.json will describe it."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="dataset_info.json entry name")
+    name: str = Field(
+        description="dataset_info.json entry name (lowercase letters, digits, '_', '-')",
+        json_schema_extra={"pattern": "^[a-z0-9][a-z0-9_-]*$"},
+    )
     files: list[Path] = Field(min_length=1, description="JSON/JSONL/CSV/Parquet files")
     format: Literal["alpaca", "sharegpt", "openai"] = Field(
         description="alpaca; sharegpt (from/value); openai (messages with role/content)"
@@ -102,6 +135,11 @@ class DatasetConfig(_Strict):
     columns: dict[str, str] | None = Field(None, description="LlamaFactory 'columns' overrides")
     tags: dict[str, str] | None = Field(None, description="LlamaFactory sharegpt 'tags' overrides")
     images_dir: Path | None = Field(None, description="Where relative image paths in records point")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_plain_name(cls, value: str) -> str:
+        return _path_component(value, r"[a-z0-9][a-z0-9_-]*", "lowercase letters, digits, '_' and '-'")
 
 
 KtBackend = Literal[
@@ -454,7 +492,10 @@ class ToolchainsConfig(_Strict):
 class Recipe(_Strict):
     """A whole fine-tune-and-serve run. See recipes/ for complete examples."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Names the run's artifacts")
+    name: str = Field(
+        description="Names the run's artifacts (lowercase letters, digits, '_', '-', '.')",
+        json_schema_extra={"pattern": "^[a-z0-9][a-z0-9_.-]*$"},
+    )
     description: str = ""
     source: SourceConfig
     dataset: DatasetConfig
@@ -464,6 +505,11 @@ class Recipe(_Strict):
     conversion: ConversionConfig = ConversionConfig()
     store: StoreConfig = StoreConfig()
     toolchains: ToolchainsConfig = ToolchainsConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_plain_name(cls, value: str) -> str:
+        return _path_component(value, r"[a-z0-9][a-z0-9_.-]*", "lowercase letters, digits, '_', '-' and '.'")
 
     @model_validator(mode="after")
     def _weights_fit_the_source(self) -> Recipe:
@@ -548,28 +594,58 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(str(path), "no such recipe file", "check the path (see recipes/)") from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(str(path), f"is not UTF-8 text (byte {exc.start}): not a YAML recipe",
+                          "pass the recipe's .yaml file (see recipes/)") from None
     except OSError as exc:
-        raise RecipeError(str(path), f"cannot read the file ({exc.strerror})") from None
+        raise RecipeError(str(path), f"cannot read the file ({exc.strerror})",
+                          "pass a readable recipe file (see recipes/)") from None
     try:
         raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:
+        # PyYAML raises a bare ValueError for an impossible date (2024-02-30) or a bad !!float.
         raise RecipeError(str(path), f"not valid YAML: {exc}", "fix the YAML syntax") from None
+    except RecursionError:
+        raise RecipeError(str(path), "the YAML is nested too deeply to be a recipe",
+                          "write the recipe as in recipes/ (a few levels of sections)") from None
     if not isinstance(raw, dict):
-        raise RecipeError(str(path), "a recipe must be a YAML mapping at the top level")
+        raise RecipeError(str(path), f"a recipe must be a YAML mapping at the top level (got {_yaml_type(raw)})",
+                          "start the file with 'name: ...', 'source: ...' as in recipes/")
     return recipe_from_mapping(raw, overrides, origin=str(path))
 
 
 def recipe_from_mapping(
     raw: Mapping[str, Any], overrides: Sequence[str] = (), *, origin: str = "recipe"
 ) -> Recipe:
-    """Validate a recipe given as a mapping (a flow parameter, a parsed file)."""
-    data = _deep_copy(raw)
+    """Validate a recipe given as a mapping (a flow parameter, a parsed file).
+
+    Raises:
+        RecipeError: for anything that is not a valid recipe (never another exception).
+    """
+    if not isinstance(raw, Mapping):
+        raise RecipeError(origin, f"a recipe must be a mapping of sections (got {_yaml_type(raw)})",
+                          "pass the parsed recipe YAML (see recipes/)")
+    data = _deep_copy(raw, origin=origin)
     for item in overrides:
         apply_override(data, item, origin=origin)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(origin, _format_validation_error(exc)) from None
+        raise RecipeError(origin, _format_validation_error(exc), _VALIDATION_FIX) from None
+    except RecursionError:
+        raise RecipeError(origin, "a value is nested too deeply to be a recipe field",
+                          "write the recipe as in recipes/") from None
+
+
+_VALIDATION_FIX = "change the field(s) named above in the recipe (or with --set); recipes/ has complete examples"
+
+
+def _yaml_type(value: Any) -> str:
+    if value is None:
+        return "an empty document"
+    return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def apply_override(data: dict[str, Any], item: str, *, origin: str = "recipe") -> None:
@@ -581,8 +657,10 @@ def apply_override(data: dict[str, Any], item: str, *, origin: str = "recipe") -
         )
     try:
         value = yaml.safe_load(value_text) if value_text != "" else ""
-    except yaml.YAMLError:
-        value = value_text
+    except (yaml.YAMLError, ValueError):
+        value = value_text  # not YAML: the text itself (validated like any string)
+    except RecursionError:
+        raise RecipeError(f"--set {key}", "the value is nested too deeply", "pass a scalar or a short list") from None
     parts = key.split(".")
     node: Any = data
     for depth, part in enumerate(parts[:-1]):
@@ -598,12 +676,35 @@ def apply_override(data: dict[str, Any], item: str, *, origin: str = "recipe") -
     node[parts[-1]] = value
 
 
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
+def _deep_copy(value: Any, *, origin: str = "recipe") -> Any:
+    """A copy of a parsed recipe's containers (the input is never mutated).
+
+    YAML aliases make shared and even recursive structures: a shared one is copied once (so a
+    "billion laughs" document stays small), a recursive one is refused.
+    """
+    memo: dict[int, Any] = {}
+    active: set[int] = set()
+
+    def copy(node: Any, depth: int) -> Any:
+        if not isinstance(node, (Mapping, list)):
+            return node
+        if id(node) in active or depth > 100:
+            raise RecipeError(origin, "a value refers to itself (a recursive YAML alias) or is nested too deeply",
+                              "write the value out instead of through an alias")
+        if id(node) in memo:
+            return memo[id(node)]
+        active.add(id(node))
+        try:
+            result: Any = (
+                {k: copy(v, depth + 1) for k, v in node.items()} if isinstance(node, Mapping)
+                else [copy(v, depth + 1) for v in node]
+            )
+        finally:
+            active.discard(id(node))
+        memo[id(node)] = result
+        return result
+
+    return copy(value, 0)
 
 
 def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
@@ -626,9 +727,14 @@ def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
 def _format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
+        raw_loc = err["loc"]
+        if err["type"] == "extra_forbidden" and raw_loc:
+            # The last element is the user's own key (which may hold any character).
+            loc = [*(p for p in raw_loc[:-1] if not (isinstance(p, str) and "[" in p)), raw_loc[-1]]
+        else:
+            loc = [p for p in raw_loc if not (isinstance(p, str) and "[" in p)]
         where = ".".join(str(p) for p in loc)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and loc:
             key = str(loc[-1])
             parent = _model_at(loc[:-1])
             message = f"{where}: unknown key"
@@ -641,7 +747,7 @@ def _format_validation_error(exc: ValidationError) -> str:
                 else:
                     message += f"; allowed keys: {', '.join(parent.model_fields)}"
         elif err["type"] == "missing":
-            message = f"{where}: required field is missing"
+            message = f"{where}: required field is missing; add it (recipes/ has an example of every section)"
         else:
             text = err["msg"].removeprefix("Value error, ")
             # Cross-field rules name their field as "@field: ..." (a model validator's error
@@ -652,7 +758,7 @@ def _format_validation_error(exc: ValidationError) -> str:
                 where = ".".join(str(p) for p in loc)
             given = err.get("input")
             shown = "" if isinstance(given, (dict, list)) or err["type"].startswith("value_error") else (
-                f" (got {given!r})"
+                f" (got {given!r:.200})"
             )
             message = f"{where}: {text}{shown}" if where else f"{text}{shown}"
         lines.append(message)

@@ -36,7 +36,15 @@ from ktflow.process import ThrottledLines, run_tool
 from ktflow.recipe import Recipe
 from ktflow.safetensors_io import read_header
 from ktflow.stages import check_requirement, host_requirements
-from ktflow.store import StageManifest, atomic_write_bytes, publish_dir, read_manifest, staging_dir_for
+from ktflow.store import (
+    StageManifest,
+    artifact_lock,
+    atomic_write_bytes,
+    publish_dir,
+    read_manifest,
+    staging_dir_for,
+    storage_errors,
+)
 
 TRAIN_YAML = "train.yaml"
 ACCELERATE_YAML = "accelerate.yaml"
@@ -433,12 +441,19 @@ def run_sft(
     progress: Callable[[TrainerProgress], None] | None = None,
     log: Callable[[str], None] | None = None,
     timeout_s: float | None = None,
+    _locked: bool = False,
 ) -> SftResult:
     """Train (or resume, or reuse) the recipe's adapter on ``model_dir``.
 
+    One run directory has one writer: a second run of the same recipe, base and data waits on
+    :func:`~ktflow.store.artifact_lock` (logging whom it waits for), then finds the adapter
+    published (a cache hit).
+
     Raises:
         DatasetError: a bad record (every one is listed); nothing is launched.
-        HostRequirementError: this host or toolchain cannot run the recipe's backend.
+        HostRequirementError: this host or toolchain cannot run the recipe's backend, the store has
+            too little free disk, or the store is not writable (all before anything is launched).
+        StorageError: the store filled up (or became read-only) while preparing or publishing.
         ToolError: LlamaFactory failed (its last lines are in the message; the run resumes on retry).
     """
     started = time.perf_counter()
@@ -468,6 +483,10 @@ def run_sft(
                          seconds=time.perf_counter() - started, tokens_per_second=extra.get("tokens_per_second"),
                          loss_curve=run_dir / LF_OUTPUT / "training_loss.png" if extra.get("loss_curve") else None,
                          manifest_digest=published.digest())
+    if not _locked:  # one writer per run directory; a concurrent run waits, then finds the adapter
+        with artifact_lock(run_dir), storage_errors(adapter_dir):
+            return run_sft(recipe, model_dir=model_dir, host=host, progress=progress, log=log, timeout_s=timeout_s,
+                           _locked=True)
 
     # Validate every record before anything heavy; the prepared copy is what LlamaFactory reads.
     dataset: PreparedDataset = prepare_dataset(

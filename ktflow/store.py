@@ -9,14 +9,35 @@ crash finds what the previous attempt finished and resumes there.
 The manifest lists the inputs' identities (upstream manifest digests, source revisions),
 the settings, the tool versions and the files with their sizes; its digest is the stage's
 cache key, so a cache check never re-hashes a large folder.
+
+Faults, the same way in every writing stage:
+
+- **Concurrency**: :func:`artifact_lock` serializes writers of one artifact across processes
+  (``fcntl.flock`` on ``.<name>.lock`` beside the final directory, holding the owner's pid and
+  host). A second run of the same stage onto the same target waits (logging whom it waits for),
+  then finds the artifact published and reuses it; with ``wait=False`` it fails at once with
+  :class:`ArtifactBusyError`.
+- **Full disk, read-only or unwritable target**: caught before any work where possible, as
+  :class:`~ktflow.errors.HostRequirementError` (exit 2): :func:`check_free_space` when the size is
+  known up front, and the lock file (the first thing a stage writes) for a read-only or
+  unwritable target. The same errors arising mid-write (the disk filled up meanwhile) become
+  :class:`StorageError` (exit 1) through :func:`storage_errors`, naming the path, what is free
+  and what is needed; complete parts stay in the staging directory for the rerun, and nothing
+  is published under the final name.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,9 +45,17 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ktflow import ENGINE_VERSION, __version__
+from ktflow.errors import HostRequirementError, KtflowError
 
 MANIFEST_NAME = "manifest.json"
 STAGING_SUFFIX = ".partial"
+LOCK_SUFFIX = ".lock"
+
+log = logging.getLogger(__name__)
+
+# Errors of the filesystem rather than of the stage: full, over quota, read-only, not ours.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class FileEntry(BaseModel):
@@ -133,3 +162,199 @@ def publish_dir(staging: Path, final_dir: Path, manifest: StageManifest, *, fsyn
     if fsync:
         fsync_dir(final_dir.parent)
     return manifest
+
+
+# --------------------------------------------------------------------------- faults: space, permissions, locks
+
+
+class StorageError(KtflowError):
+    """Writing an artifact failed because of its filesystem: full, over quota, read-only or not
+    writable (exit 1: the stage had started; what it finished stays in staging for the rerun)."""
+
+    def __init__(self, message: str, *, path: Path, errno_: int | None = None) -> None:
+        self.path = Path(path)
+        self.errno = errno_
+        super().__init__(message)
+
+
+class ArtifactBusyError(KtflowError):
+    """Another process holds the artifact's lock and the caller asked not to wait."""
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where a new directory would be created)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes (for this user) on the filesystem that holds, or would hold, ``path``."""
+    return shutil.disk_usage(existing_ancestor(path)).free
+
+
+def space_margin(need: int, files: int = 1) -> int:
+    """``need`` plus what a filesystem adds: a block per file, a percent for metadata."""
+    return int(need * 1.01) + 4096 * (files + 4)
+
+
+def check_free_space(final_dir: Path, need: int, *, what: str, files: int = 1) -> None:
+    """Preflight: refuse to start writing ``need`` bytes (``files`` files) for ``final_dir`` when
+    its filesystem has less free (with :func:`space_margin`), before anything is written.
+
+    Raises:
+        HostRequirementError: naming the directory, the bytes needed and the bytes free (exit 2).
+    """
+    final_dir = Path(final_dir)
+    want = space_margin(need, files)
+    free = free_bytes(final_dir.parent)
+    if want > free:
+        raise HostRequirementError(
+            str(final_dir),
+            f"{what} needs ~{_human(want)} ({want} bytes) more on this filesystem; "
+            f"{existing_ancestor(final_dir.parent)} has {_human(free)} ({free} bytes) free",
+            "free space there, or write the artifact to a larger filesystem, then rerun "
+            "(finished parts in the staging directory are reused).",
+        )
+
+
+@contextmanager
+def storage_errors(final_dir: Path, *, need: int | None = None) -> Iterator[None]:
+    """Turn a full, read-only or unwritable filesystem met while writing ``final_dir`` into a
+    :class:`StorageError` naming the path, the free space and ``need`` (the artifact's size)."""
+    final_dir = Path(final_dir)
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _NO_SPACE | _NOT_WRITABLE:
+            raise
+        target = getattr(exc, "filename2", None) or exc.filename  # a copy names its source first
+        staging = staging_dir_for(final_dir)
+        where = Path(target) if target else staging
+        kept = f"finished parts stay in {staging} and are reused. " if staging.is_dir() else ""
+        if exc.errno in _NO_SPACE:
+            try:
+                free = f"{_human(free_bytes(final_dir.parent))} free now at {existing_ancestor(final_dir.parent)}"
+            except OSError:
+                free = "free space unknown"
+            needed = f"; the artifact needs ~{_human(need)} in all" if need else ""
+            message = (f"no space left on the device while writing {where} for {final_dir} "
+                       f"({os.strerror(exc.errno)}; {free}{needed}). Nothing was published; {kept}"
+                       "Free space, or write to a larger filesystem, and rerun.")
+        else:
+            message = (f"cannot write {where} for {final_dir}: {os.strerror(exc.errno or 0)}. Nothing was published. "
+                       "Make the directory writable (or choose a writable one) and rerun.")
+        raise StorageError(message, path=where, errno_=exc.errno) from exc
+
+
+def lock_path_for(final_dir: Path) -> Path:
+    """The lock file that serializes writers of ``final_dir`` (beside its staging directory)."""
+    final_dir = Path(final_dir)
+    return final_dir.parent / f".{final_dir.name}{LOCK_SUFFIX}"
+
+
+def _lock_owner(fd: int) -> str:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {owner['pid']} on {owner['host']} (since {owner['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+@contextmanager
+def artifact_lock(
+    final_dir: Path, *, wait: bool = True, on_wait: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """Hold the exclusive right to write ``final_dir`` (and its staging directory) while inside.
+
+    The lock is ``fcntl.flock`` on ``.<name>.lock`` beside ``final_dir``: released by the kernel
+    when its holder dies (kill -9 included), so a crash never leaves a stale lock. The holder's
+    pid, host and start time are written into the file, so a waiter can say whom it waits for
+    (``on_wait``, default: a warning on this module's logger). The holder removes the file when it
+    leaves; a waiter that then finds a different (or no) file at the path locks again.
+
+    Use it around check-published / stage / publish, and check for a published artifact again
+    inside it: the process that waited finds its work done by the other one. flock is local to a
+    host on most network filesystems; writers on different hosts need distinct stores.
+
+    Raises:
+        ArtifactBusyError: ``wait=False`` and another process holds the lock.
+        HostRequirementError: the lock file cannot be created (read-only or unwritable directory),
+            unless ``final_dir`` is already published: then nothing will be written, and the
+            caller goes on unlocked to read it.
+    """
+    final_dir = Path(final_dir)
+    path = lock_path_for(final_dir)
+    say = on_wait or log.warning
+    created: list[Path] = []  # directories made for the lock file, removed with it if still empty
+    while True:
+        try:
+            missing = [d for d in [path.parent, *path.parent.parents] if not d.exists()]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created += [d for d in missing if d not in created]
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # another holder removed the directory it had made: make it again
+            continue
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE | _NOT_WRITABLE:
+                raise
+            if read_manifest(final_dir) is not None:  # published: readers need no lock
+                yield
+                return
+            raise HostRequirementError(
+                str(final_dir.parent),
+                f"cannot create {path.name} there to write {final_dir.name}: {os.strerror(exc.errno or 0)}",
+                "make the directory writable (a read-only mount or another user's directory cannot hold the "
+                "artifact), or choose another output directory / store.root.",
+            ) from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _lock_owner(fd)
+                if not wait:
+                    raise ArtifactBusyError(
+                        f"{final_dir} is being written by {owner} (lock {path}); wait for it to finish, or rerun "
+                        "without fail-fast to wait") from None
+                say(f"waiting for {final_dir}: it is being written by {owner} (lock {path})")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous holder removed the file after we opened it: lock the current one
+                os.close(fd)
+                continue
+        except BaseException:
+            os.close(fd)
+            raise
+        break
+    try:
+        owner = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(owner).encode(), 0)
+        except OSError:  # a full disk: the lock holds without its note
+            pass
+        yield
+    finally:
+        try:
+            path.unlink()  # while still holding it: a waiter re-checks the inode and locks afresh
+        except OSError:
+            pass
+        os.close(fd)
+        for directory in created:  # deepest first: the lock leaves no trace of its own
+            try:
+                directory.rmdir()
+            except OSError:
+                pass

@@ -493,7 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(plan, args.plan.parent)
     except Exception as exc:  # noqa: BLE001 - reported as an event, then as a traceback
-        emit("error", message=f"{type(exc).__name__}: {exc}")
+        emit("error", message=f"{type(exc).__name__}: {exc}", errno=getattr(exc, "errno", None),
+             filename=str(exc.filename) if getattr(exc, "filename", None) else None)
         traceback.print_exc()
         return 1
 
