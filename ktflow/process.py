@@ -2,9 +2,22 @@
 
 The child stays in our process group, so a Prefect worker that cancels the flow run (it kills
 the run's process group) takes the tool down too; a child that called ``setsid`` would escape
-it. On our own exit paths (error, timeout, interrupt) the whole tree under the child is
-terminated, then killed, and waited for: no orphan keeps a GPU or 500 GB of RAM. The child
-also gets SIGKILL if this process dies first (Linux ``PR_SET_PDEATHSIG``).
+it. On our own exit paths (error, timeout, interrupt, Prefect's ``TerminationSignal`` and task
+timeouts, which are exceptions raised in the calling thread) the whole tree under the child is
+terminated, then killed, and waited for: no orphan keeps a GPU or 500 GB of RAM.
+
+When this process dies without running any of that (SIGKILL, the OOM killer, an unhandled
+SIGTERM, a killed process group):
+
+- the direct child gets SIGKILL from the kernel (Linux ``PR_SET_PDEATHSIG``, set between fork
+  and exec). It fires when the *thread* that forked exits, which is safe here because
+  :func:`run_tool` blocks its calling thread until the tool has ended;
+- everything below the child (``accelerate``/``torchrun`` workers, data-loader processes,
+  anything double-forked) is found and stopped by a :class:`Guardian`: a tiny watchdog process,
+  in its own session so a process-group kill spares it, that holds the read end of a pipe from
+  us. End-of-file on that pipe (or its parent pid changing) means we died: it SIGTERMs every
+  process carrying the run's marker in its environment, and SIGKILLs what is left after a
+  grace period. A normal return disarms it.
 
 Arguments are always a list (never a shell string), and output is streamed line by line to a
 log file and to a callback, so a stage's log shows the tool's progress as it happens.
@@ -15,8 +28,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import subprocess
 import queue
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -48,12 +62,136 @@ class ToolTimeout(KtflowError):
     """A tool ran past its time limit and was stopped."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _load_prctl() -> Callable[..., int] | None:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved once, here: loading a library between fork and exec (dlopen takes the loader's lock,
+# which another thread may have held at the fork) could deadlock the child.
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+# The guardian's program: standard library only, started with ``python -I -S`` (a few ms).
+# argv: marker name, run id, pipe fd, parent pid, grace seconds.
+_GUARDIAN_CODE = r"""
+import os, select, signal, sys, time
+name, run_id, fd, parent, grace = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+    signal.signal(s, signal.SIG_IGN)
+while True:
+    readable, _, _ = select.select([fd], [], [], 1.0)
+    if readable:
+        if os.read(fd, 1):
+            sys.exit(0)  # disarmed: our parent finished cleanly
+        break  # end of file: every copy of the write end is closed, our parent is gone
+    if os.getppid() != parent:
+        break  # re-parented: our parent is gone (and a stray copy of the pipe survived it)
+needle = (name + "=" + run_id).encode()
+me = os.getpid()
+def marked():
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                with open("/proc/" + entry + "/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):  # a zombie's environ reads empty
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+def send(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+termed = set()
+deadline = time.monotonic() + grace
+while time.monotonic() < deadline:
+    pids = marked()
+    if not pids:
+        sys.exit(0)
+    send([p for p in pids if p not in termed], signal.SIGTERM)
+    termed.update(pids)
+    time.sleep(0.1)
+for _ in range(50):
+    pids = marked()
+    if not pids:
+        break
+    send(pids, signal.SIGKILL)
+    time.sleep(0.1)
+"""
+
+
+class Guardian:
+    """A watchdog that stops every process marked ``marker_name=run_id`` if this process dies.
+
+    Armed from construction until :meth:`disarm`. While armed, a watchdog process (the
+    orchestrator's own python, standard library only, in a new session so it survives a kill of
+    our process group, ignoring SIGINT/SIGHUP) waits on a pipe whose write end only this process
+    holds (close-on-exec, so tools never inherit it). If this process dies, however it dies, the
+    watchdog SIGTERMs every process whose environment has ``marker_name=run_id`` (found through
+    ``/proc/*/environ``, so descendants that were re-parented or called ``setsid`` are found
+    too), waits ``grace_s``, SIGKILLs the rest and exits. :meth:`disarm` makes it exit doing
+    nothing. Starting it is best effort: if it cannot start, the run goes on unguarded.
+
+    Used by :func:`run_tool` for the whole of every tool run and by :mod:`ktflow.serve` while a
+    server starts (a server that became ready is meant to outlive us; one that did not is not).
+    """
+
+    def __init__(self, marker_name: str, run_id: str, *, grace_s: float = 5.0) -> None:
+        self._write: int | None = None
+        self._proc: subprocess.Popen | None = None
+        read, write = os.pipe()  # both close-on-exec (PEP 446); pass_fds hands the guardian its end
+        keep = {k: os.environ[k] for k in ("PATH", "LD_LIBRARY_PATH") if k in os.environ}
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARDIAN_CODE, marker_name, run_id, str(read), str(os.getpid()),
+                 repr(float(grace_s))],
+                pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env=keep,
+            )
+        except OSError:
+            os.close(write)
+        else:
+            self._write = write
+        finally:
+            os.close(read)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def armed(self) -> bool:
+        return self._write is not None
+
+    def disarm(self) -> None:
+        """Tell the watchdog to exit without touching anything; idempotent."""
+        if self._write is None:
+            return
+        write, self._write = self._write, None
+        try:
+            os.write(write, b"x")
+        except OSError:
+            pass
+        finally:
+            os.close(write)
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
 
 
 def terminate_tree(pid: int, grace_s: float = TERMINATE_GRACE_S) -> None:
@@ -104,6 +242,7 @@ def run_tool(
     run_id = uuid.uuid4().hex
     child_env = {**(dict(env) if env is not None else os.environ), TOOL_MARKER: run_id}
     log = open(log_path, "a", encoding="utf-8", errors="replace") if log_path else None
+    guardian = Guardian(TOOL_MARKER, run_id)
     try:
         proc = subprocess.Popen(
             list(argv),
@@ -116,6 +255,7 @@ def run_tool(
             preexec_fn=_die_with_parent,
         )
     except OSError as exc:
+        guardian.disarm()
         if log:
             log.close()
         raise KtflowError(f"cannot start {argv[0]}: {exc.strerror}") from None
@@ -173,11 +313,13 @@ def run_tool(
         if proc.poll() is None:
             terminate_tree(proc.pid, grace_s)
         _reap_leftovers(run_id)
+        guardian.disarm()  # nothing of the run is left to guard
         reader.join(timeout=5)
         if log:
             log.close()
     if timed_out.is_set():
-        raise ToolTimeout(f"{Path(argv[0]).name} ran past its limit of {timeout_s:.0f} s and was stopped")
+        raise ToolTimeout(f"{Path(argv[0]).name} ran past its limit of {timeout_s:g} s and was stopped, with every "
+                          f"process it started" + (f" (log: {log_path})" if log_path else ""))
     if returncode != 0:
         raise ToolError(argv, returncode, list(tail), log_path)
 

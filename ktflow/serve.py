@@ -36,16 +36,18 @@ through a pipe), so it outlives a ``ktflow serve`` command that returns, while a
 cancellation (which kills the flow run's process group) takes it down. A marker variable in
 its environment (``KTFLOW_SERVER_RUN``) lets :func:`stop` also find anything it forked. A record
 with ``state: starting`` is written as soon as the process exists, so a crash of the
-orchestrator during the start never leaves an unrecorded server holding the port.
+orchestrator during the start never leaves an unrecorded server holding the port. Until the
+server is ready (health gate and smoke test passed, ``state: ready`` recorded) a
+:class:`ktflow.process.Guardian` watches the orchestrator: if it dies during the start (SIGKILL
+included), the half-started server and everything carrying its marker are stopped, and the next
+:func:`serve` finds the stale ``starting`` record and clears it. Only a ready server outlives us.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import threading
@@ -61,7 +63,7 @@ import yaml
 from pydantic import BaseModel
 
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.process import TERMINATE_GRACE_S, terminate_tree
+from ktflow.process import TERMINATE_GRACE_S, Guardian, _die_with_parent, terminate_tree
 from ktflow.recipe import Recipe
 from ktflow.store import atomic_write_bytes, atomic_write_json, read_manifest
 
@@ -290,13 +292,6 @@ def render_llamafactory_api(
 # --------------------------------------------------------------------------- the process
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class _LogFollower:
     """Follow a log file the child writes, from ``offset``: keep a tail, forward each new line."""
 
@@ -381,6 +376,7 @@ def start_server(
     label: str | None = None,
     poll_s: float = 0.5,
     grace_s: float = TERMINATE_GRACE_S,
+    guardian: Guardian | None = None,
 ) -> subprocess.Popen:
     """Start a long-lived server and return once it is ready; it is not waited on.
 
@@ -399,6 +395,10 @@ def start_server(
         die_with_parent: SIGKILL the server when the thread that started it exits (for servers
             scoped to one call; never for an endpoint meant to outlive the command).
         label: what the banner line written into the log before the start names.
+        guardian: a :class:`~ktflow.process.Guardian` for ``SERVER_MARKER=run_id`` that the
+            caller keeps armed past the return (until its own readiness steps are done) and
+            disarms. Without one, a guardian of our own covers the start (if this process dies
+            before the server is ready, the server is stopped) and is disarmed on return.
 
     Raises:
         ServerStartError: the process exited, the time ran out, or the auth check failed; the
@@ -409,6 +409,9 @@ def start_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     child_env = {**env, key_env: api_key, SERVER_MARKER: run_id or uuid.uuid4().hex}
+    own_guardian = guardian is None
+    if guardian is None:
+        guardian = Guardian(SERVER_MARKER, child_env[SERVER_MARKER])
     with open(log_path, "ab") as log:
         log.write(f"=== ktflow: starting {label or Path(argv[0]).name} at {_now()} ===\n".encode())
         log.flush()
@@ -419,6 +422,8 @@ def start_server(
                 cwd=cwd, preexec_fn=_die_with_parent if die_with_parent else None,
             )
         except OSError as exc:
+            if own_guardian:
+                guardian.disarm()
             raise KtflowError(f"cannot start {argv[0]}: {exc.strerror}") from None
     follower = _LogFollower(log_path, offset, on_line).start()
     try:
@@ -461,6 +466,8 @@ def start_server(
         raise
     finally:
         follower.close()
+        if own_guardian:
+            guardian.disarm()  # ready (it may outlive us now), or stopped above
     return proc
 
 
@@ -636,30 +643,36 @@ def _start_endpoint(
 
     if log:
         log(f"starting {what} on {url} (model {model_name}, adapter {adapter_dir or 'none'})")
+    # Armed until the ready record is written: a server whose orchestrator dies while it starts
+    # (before the gate, or during the smoke test) is stopped, never left holding the port.
+    guardian = Guardian(SERVER_MARKER, run_id)
     try:
-        proc = start_server(
-            argv, child_env, log_path=endpoint.log_path, ready_url=ready_url, api_key=api_key, key_env=key_env,
-            timeout_s=serving.ready_timeout_s, expect_model=expect_model, check_auth=check_auth, run_id=run_id,
-            cwd=record_dir, on_line=log, on_started=record_start, die_with_parent=die_with_parent,
-            label=f"{what} on {url}, model {model_name}, adapter {adapter_dir or 'none'}",
-        )
-    except BaseException:
-        _forget(record_dir, endpoint)
-        raise
-    try:
-        smoke = smoke_test(url, api_key, model_name)
-    except BaseException as exc:
-        terminate_tree(proc.pid)
-        _reap_marked(run_id)
-        _forget(record_dir, endpoint)
-        if isinstance(exc, KtflowError):
-            raise ServerStartError(f"the server on {url} is up but failed its smoke test: {exc}",
-                                   log_path=endpoint.log_path) from None
-        raise
-    if log:
-        log(f"{url} ready; smoke test answered in {smoke['seconds']} s")
-    endpoint = endpoint.model_copy(update={"state": "ready", "started_at": _now()})
-    _write_endpoint(record_dir, endpoint)
+        try:
+            proc = start_server(
+                argv, child_env, log_path=endpoint.log_path, ready_url=ready_url, api_key=api_key, key_env=key_env,
+                timeout_s=serving.ready_timeout_s, expect_model=expect_model, check_auth=check_auth, run_id=run_id,
+                cwd=record_dir, on_line=log, on_started=record_start, die_with_parent=die_with_parent,
+                label=f"{what} on {url}, model {model_name}, adapter {adapter_dir or 'none'}", guardian=guardian,
+            )
+        except BaseException:
+            _forget(record_dir, endpoint)
+            raise
+        try:
+            smoke = smoke_test(url, api_key, model_name)
+        except BaseException as exc:
+            terminate_tree(proc.pid)
+            _reap_marked(run_id)
+            _forget(record_dir, endpoint)
+            if isinstance(exc, KtflowError):
+                raise ServerStartError(f"the server on {url} is up but failed its smoke test: {exc}",
+                                       log_path=endpoint.log_path) from None
+            raise
+        if log:
+            log(f"{url} ready; smoke test answered in {smoke['seconds']} s")
+        endpoint = endpoint.model_copy(update={"state": "ready", "started_at": _now()})
+        _write_endpoint(record_dir, endpoint)
+    finally:
+        guardian.disarm()  # ready: the server is meant to outlive us now (or it was stopped above)
     return endpoint
 
 
