@@ -16,6 +16,7 @@ tensors) over the shared store.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 from pydantic import BaseModel
 
+from ktflow.dataset import validate_dataset
 from ktflow.errors import InvalidInputError, KtflowError
+from ktflow.evaluate import load_eval_records
 from ktflow.pools import pool_for_stage
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.stages import StageName, plan_stages
@@ -40,7 +43,14 @@ StageCall = Callable[..., Any]
 
 
 def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = None) -> dict[str, Any]:
-    """Every stage ``recipe`` needs, in order; ``call(stage, **parameters)`` runs one stage."""
+    """Every stage ``recipe`` needs, in order; ``call(stage, **parameters)`` runs one stage.
+
+    The dataset (and the evaluation set) are validated first: a bad record fails the run in
+    seconds, not after a download and a dequantize.
+    """
+    validate_dataset(recipe.dataset)
+    if recipe.evaluation.enabled:
+        load_eval_records(recipe.evaluation)
     plans = {p.stage: p for p in plan_stages(recipe)}
     store = recipe.store.root
     rows: list[dict[str, Any]] = []
@@ -147,7 +157,14 @@ def dispatch_stage(stage: StageName, parameters: dict[str, Any]) -> Any:
     # The same key returns the existing run even when it failed: a retry needs a new one.
     key = f"{current_run.id}:{stage}:{current_run.run_count}:{attempt}"
     child = run_deployment(stage_deployment(stage), parameters=parameters, idempotency_key=key, as_subflow=True,
-                           timeout=None, poll_interval=1)
+                           timeout=0)  # created, not awaited: we wait below, so we can cancel it
+    try:
+        child = _wait_until_final(child.id)
+    except BaseException:
+        # The parent is being cancelled (the worker's SIGTERM arrives as an exception), timed
+        # out or crashed: the child on the other pool must not train on for hours unobserved.
+        _cancel(child.id, f"the parent pipeline run {current_run.id} stopped")
+        raise
     state = child.state
     if state is None or not state.is_completed():
         error = _child_exception(state)
@@ -157,6 +174,31 @@ def dispatch_stage(stage: StageName, parameters: dict[str, Any]) -> Any:
         raise StageFailedError(f"stage {stage} (run {child.name}, pool {child.work_pool_name}) ended {kind}: "
                                f"{state.message if state else 'no state'}")
     return state.result()
+
+
+def _wait_until_final(run_id: Any, poll_s: float = 1.0) -> Any:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            time.sleep(poll_s)
+
+
+def _cancel(run_id: Any, why: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(run_id)
+            if run.state is None or not run.state.is_final():
+                # Cancelling: the child's worker stops its process group (and ktflow's tool guard its tools).
+                client.set_flow_run_state(run_id, Cancelling(message=why), force=True)
+    except Exception:  # best effort: the server's own cleanup cancels orphaned children later
+        pass
 
 
 def _child_exception(state: Any) -> BaseException | None:

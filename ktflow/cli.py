@@ -181,9 +181,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from ktflow.dataset import validate_dataset
     from ktflow.sft import run_sft
     from ktflow.weights import ensure_training_weights
 
+    # Bad records are refused in seconds, before a download or an hours-long dequantize.
+    validate_dataset(recipe.dataset)
     model_dir = ensure_training_weights(recipe)
     columns = (TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
@@ -394,39 +397,47 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0 if result.adapter_applied else 1
 
 
+def _embedded_prefect(verbose: bool) -> None:
+    """Prefect's ephemeral API with state under the project: no server to start. A
+    PREFECT_API_URL set by the user (a real server) wins; ktflow never overrides the environment."""
+    os.environ.setdefault("PREFECT_HOME", str(Path(".ktflow/prefect").absolute()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+
+
+def _print_stages(title: str, outcome: dict) -> None:
+    table = Table(title=title)
+    for column in ("stage", "runs", "why", "result"):
+        table.add_column(column)
+    for row in outcome["stages"]:
+        table.add_row(row["stage"], row["runs"], row["why"], row["result"])
+    out.print(table)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """The whole pipeline as one Prefect flow, in-process on Prefect's ephemeral API."""
     recipe = _load(args)
-    # Embedded by default: no server to start, state under the project. PREFECT_API_URL set by the
-    # user (a real server) wins; ktflow never overrides what the environment says.
-    os.environ.setdefault("PREFECT_HOME", str(Path(".ktflow/prefect").absolute()))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING" if not args.verbose else "INFO")
+    _embedded_prefect(args.verbose)
     from flows.pipeline import pipeline
 
     outcome = pipeline(recipe)
     if args.json:
         _print_json(outcome)
         return 0
-    table = Table(title=f"ktflow run {recipe.name}")
-    for column in ("stage", "runs", "why", "result"):
-        table.add_column(column)
-    for row in outcome["stages"]:
-        table.add_row(row["stage"], row["runs"], row["why"], row["result"])
-    out.print(table)
+    _print_stages(f"ktflow run {recipe.name}", outcome)
     if "endpoint" in outcome:
         out.print(f"endpoint: {outcome['endpoint']} (stop it with: ktflow serve {args.recipe} --stop)")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Every stage of the CPU demo for real, on a tiny model and dataset made locally."""
-    from ktflow.checkpoint import inspect_checkpoint
-    from ktflow.dequantize import dequantize_checkpoint
+    """The pipeline flow on the CPU demo: a tiny model and dataset made locally, every stage for real."""
+    import time
+
+    from ktflow.demo import write_demo_dataset
     from ktflow.fixtures import FixtureSpec, make_fixture
-    from ktflow.weights import bf16_dir_for, int8_dir_for
     from ktflow.recipe import load_recipe
-    from ktflow.stages import plan_stages
+    from ktflow.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, read_endpoint, smoke_test
 
     recipe = load_recipe(DEMO_RECIPE)
     source = recipe.source.local_path
@@ -434,79 +445,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not (source / "config.json").exists():
         err.print(f"[bold]fixture[/]: making the tiny Kimi-K2.5-format checkpoint in {source}")
         make_fixture(FixtureSpec(kind="kimi-k2.5"), source)
-    else:
-        err.print(f"[bold]fixture[/]: reusing {source}")
-    info = inspect_checkpoint(source)
-    out.print(
-        f"source: {info.format}, {info.num_layers} layers, {info.num_routed_experts} experts, "
-        f"{info.num_tensors} tensors in {info.num_shards} shards ({_human_bytes(info.tensor_bytes)})"
-    )
-    bf16_dir = bf16_dir_for(recipe, source)
-    err.print(f"[bold]dequantize[/]: {info.format} -> BF16 in {bf16_dir}")
-    result = dequantize_checkpoint(source, bf16_dir, workers=recipe.conversion.workers, fsync=recipe.conversion.fsync)
-    bf16 = inspect_checkpoint(result.path)
-    verb = "cache hit" if result.cached else f"{result.tensors_decoded} tensors decoded in {result.seconds:.2f} s"
-    out.print(f"dequantize: {verb} -> {bf16.format}, {_human_bytes(bf16.tensor_bytes)} at {result.path}")
-
-    from ktflow.demo import write_demo_dataset
-    from ktflow.hardware import probe_host
-    from ktflow.sft import run_sft
-
     write_demo_dataset(Path(recipe.dataset.files[0]).parent)
-    err.print(f"[bold]sft[/]: LoRA through LlamaFactory on CPU ({recipe.sft.max_steps} steps)")
-    trained = run_sft(recipe, model_dir=result.path, host=probe_host(recipe.store.root))
-    if trained.cached:
-        out.print(f"sft: cache hit -> {trained.adapter_dir}")
-    else:
-        out.print(f"sft: {trained.steps} steps, final loss {trained.final_loss:.4f}, {trained.seconds:.1f} s -> {trained.adapter_dir}")
+    _embedded_prefect(args.verbose)
+    from flows.pipeline import pipeline
 
-    from ktflow.convert_lora import convert_lora
+    err.print("[bold]ktflow-pipeline[/]: download -> dequantize -> sft -> convert-lora -> quantize-int8 -> serve -> "
+              "evaluate, on Prefect's embedded API (state in .ktflow/prefect)")
+    started = time.monotonic()
+    state = pipeline(recipe, return_state=True)
+    outcome = state.result()  # raises the failed stage's error
+    _print_stages(f"demo pipeline ({recipe.name}): {state.name} in {time.monotonic() - started:.1f} s", outcome)
 
-    adapter = convert_lora(trained.adapter_dir, recipe.store.root / "adapters" / trained.manifest_digest[:16],
-                           base_dir=result.path, serve_python=recipe.toolchains.serve.python)
-    verb = "cache hit" if adapter.cached else "validated against the base"
-    out.print(f"convert-lora: {adapter.kind} adapter {verb} (rank {adapter.rank}, {adapter.tensors} tensors) -> {adapter.path}")
-
-    from ktflow.quantize_int8 import quantize_int8
-    from ktflow.recipe import int8_threadpool_count
-
-    t = int8_threadpool_count(recipe)
-    err.print(f"[bold]quantize-int8[/]: BF16 experts -> kt-kernel AMXINT8 (T={t}), verified against a float64 MoE")
-    int8 = quantize_int8(result.path, int8_dir_for(recipe, result.path), threadpool_count=t,
-                         serve_python=recipe.toolchains.serve.python, workers=recipe.conversion.workers)
-    _print_int8(int8)
-
-    from ktflow.evaluate import evaluate_base_vs_tuned
-    from ktflow.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, serve, smoke_test, stop
-
-    record_dir = _serving_dir(recipe)
-    stop(record_dir)  # a server left by an interrupted demo
-    err.print(f"[bold]serve[/]: LlamaFactory's OpenAI-compatible API on {recipe.serving.host}:{recipe.serving.port}")
-    endpoint = serve(recipe, model_dir=result.path, adapter_dir=adapter.path, record_dir=record_dir)
-    try:
-        key = api_key_for(endpoint)
-        assert key is not None
-        prompt = SMOKE_PROMPT
-        answer = smoke_test(endpoint.url, key, adapter_model_name(recipe))
-        out.print(f"serve: {endpoint.url} (model {adapter_model_name(recipe)}, pid {endpoint.pid})")
-        out.print(f"  the endpoint's answer to {prompt!r}: {answer['content']!r} (a tiny random model: noise)")
-        err.print("[bold]evaluate[/]: base vs tuned on the held-out set, through the OpenAI API")
-        report = evaluate_base_vs_tuned(recipe, model_dir=result.path, tuned_url=endpoint.url,
-                                        tuned_model=adapter_model_name(recipe), api_key=key,
-                                        out_dir=(recipe.store.root / "eval" / recipe.name).absolute())
-        out.print(report.table, markup=False)
-        out.print(f"adapter applied (tuned answers differ from the base's): {'yes' if report.adapter_applied else 'NO'}; "
-                  f"report: {report.report_md}")
-    finally:
-        stop(record_dir)
-        out.print("serve: stopped (start it yourself with: ktflow serve recipes/tiny-demo.yaml)")
-
-    table = Table(title=f"demo pipeline ({recipe.name})")
-    for column in ("stage", "runs", "why"):
-        table.add_column(column)
-    for plan in plan_stages(recipe):
-        table.add_row(plan.stage, "yes" if plan.needed else "skipped", plan.reason)
-    out.print(table)
+    endpoint = read_endpoint(_serving_dir(recipe))
+    assert endpoint is not None, "the serve stage records its endpoint"
+    key = api_key_for(endpoint)
+    assert key is not None
+    answer = smoke_test(endpoint.url, key, adapter_model_name(recipe))
+    out.print(f"endpoint {endpoint.url}, model {adapter_model_name(recipe)}: the answer to {SMOKE_PROMPT!r} is "
+              f"{answer['content']!r} (a tiny random model: noise)")
+    report = Path(outcome["evaluation"]) if "evaluation" in outcome else None
+    if report is not None and report.is_file():
+        out.print(report.read_text(encoding="utf-8"), markup=False)
+    out.print(f"The endpoint keeps running (a rerun is all cache hits); stop it with: ktflow serve {DEMO_RECIPE} --stop")
     return 0
 
 
@@ -670,7 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
     p.add_argument("--json", action="store_true", help="print the stage summary as one JSON document")
 
-    add("demo", cmd_demo, "the CPU demo on a tiny model made locally")
+    p = add("demo", cmd_demo, "the pipeline flow on a tiny model and dataset made locally (CPU)")
+    p.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
 
     p = add("worker", cmd_worker, "join the Prefect work pools this host qualifies for")
     p.add_argument("--pool", action="append", metavar="POOL", help="a pool to join (repeatable; default: all that qualify)")
@@ -696,7 +657,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so every cleanup path (tool trees, staging dirs) runs."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _raise_terminated)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "json", False) and getattr(args, "dry_run", None) is False and args.command in ("sft", "serve"):
@@ -706,6 +679,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KtflowError as exc:
         err.print(f"[red]error:[/] {exc}", soft_wrap=True)
         return exc.exit_code
+    except _Terminated:
+        err.print("[red]terminated[/]")
+        return 143
     except KeyboardInterrupt:
         err.print("[red]interrupted[/]")
         return 130

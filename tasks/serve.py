@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
@@ -11,6 +14,7 @@ from prefect.logging import get_run_logger
 from ktflow.evaluate import EvaluationResult, evaluate_base_vs_tuned
 from ktflow.process import ThrottledLines
 from ktflow.recipe import Recipe
+from tasks._common import StageCachePolicy
 from ktflow.serve import Endpoint, adapter_model_name, api_key_for, is_alive, read_endpoint, serve, stop
 
 
@@ -35,7 +39,22 @@ def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: 
     return endpoint
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=10)
+def _evaluation_key(inputs: dict[str, Any]) -> str | None:
+    # The same held-out data and settings against the same live server process (same adapter)
+    # give the same report: a rerun of an unchanged pipeline does not evaluate again. A restarted
+    # server (new pid/start time) or a deleted report means evaluate again.
+    recipe: Recipe = inputs["recipe"]
+    endpoint: Endpoint = inputs["endpoint"]
+    report = (recipe.store.root / "eval" / recipe.name).absolute() / "report.md"
+    if not report.is_file() or not is_alive(endpoint):
+        return None
+    files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in recipe.evaluation.files]
+    return json.dumps([recipe.evaluation.model_dump(mode="json"), files, inputs["model_dir"], endpoint.url,
+                       endpoint.pid, endpoint.started_at, endpoint.adapter_manifest_digest], sort_keys=True)
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=10,
+      cache_policy=StageCachePolicy("evaluate", _evaluation_key), cache_result_in_memory=False)
 def evaluate_task(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> EvaluationResult:
     """Base vs tuned through the OpenAI API; fails if the adapter is not applied."""
     logger = get_run_logger()

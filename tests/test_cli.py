@@ -102,30 +102,6 @@ def test_inspect_rejects_a_directory_without_config(tmp_path: Path) -> None:
     assert "config.json" in result.stderr
 
 
-@pytest.mark.slow
-def test_demo_runs_what_exists_and_says_what_is_next(tmp_path: Path) -> None:
-    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
-    for env in (".venv-train", ".venv-serve"):  # the recipe names its toolchains relative to the cwd
-        if (REPO / env).exists():
-            (tmp_path / env).symlink_to(REPO / env)
-    result = ktflow("demo", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "kimi-k2.5-int4" in result.stdout
-    assert "tensors decoded" in result.stdout  # dequantize ran for real
-    assert "sft: 6 steps, final loss" in result.stdout  # and LlamaFactory trained for real
-    assert "quantize-int8: 2 layers" in result.stdout  # and kt-kernel quantized the experts
-    assert "the endpoint's answer to" in result.stdout and "| rouge-l |" in result.stdout
-    assert "adapter applied (tuned answers differ from the base's): yes" in result.stdout
-    assert "serve: stopped" in result.stdout
-    assert (tmp_path / ".ktflow/demo/kimi-k2.5-tiny/config.json").exists()
-    again = ktflow("demo", cwd=tmp_path)  # idempotent: reuses the fixture and the BF16 copy
-    assert again.returncode == 0 and "fixture: reusing" in again.stderr
-    assert "dequantize: cache hit" in again.stdout
-    assert "sft: cache hit" in again.stdout
-    assert "convert-lora: peft adapter cache hit" in again.stdout
-    assert "quantize-int8: cache hit, T=2" in again.stdout
-
-
 def test_download_of_a_local_source_publishes_a_reference(fixture_dir, tmp_path: Path) -> None:
     src = fixture_dir("kimi-k2.5")
     result = ktflow(

@@ -99,27 +99,32 @@ def _run_id(cli_output: str) -> str:
     return match.group(1)
 
 
-def _tool_processes() -> list[psutil.Process]:
-    """Live processes started by ktflow's tool runner (training, converters, quantizer)."""
+def _processes_of_run(run_id: str, *, tools_only: bool = False) -> list[psutil.Process]:
+    """Live processes of a flow run: its flow process and every tool it started (they inherit
+    the run's environment, whoever their parent is now)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if "KTFLOW_TOOL_RUN" in proc.environ() and proc.status() != psutil.STATUS_ZOMBIE:
+            env = proc.environ()
+            if env.get("PREFECT__FLOW_RUN_ID") != run_id or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if not tools_only or "KTFLOW_TOOL_RUN" in env:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
 
 
-def _processes_of_run(run_id: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("PREFECT__FLOW_RUN_ID") == run_id:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+def _wait_for_training(setup: Setup, parent: str, timeout: float, ready=lambda: True) -> dict:
+    """The running SFT child run, once its trainer process is up (and ``ready()`` holds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "SFT never started"
+        assert setup.flow_run(parent)["state_type"] not in ("FAILED", "CRASHED", "COMPLETED", "CANCELLED")
+        running = setup.flow_runs("ktflow-sft", ["RUNNING"])
+        if running and _processes_of_run(running[0]["id"], tools_only=True) and ready():
+            return running[0]
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -208,17 +213,12 @@ def test_a_bad_dataset_is_not_published(setup: Setup) -> None:
 def test_cancelling_the_parent_cancels_the_running_stage_and_leaves_no_process(setup: Setup) -> None:
     data = setup.dataset_variant("cancel.jsonl", "nya~", "nya nya nya~")
     parent = setup.start_pipeline(setup.recipe(data))
-    deadline = time.monotonic() + 300
-    while not _tool_processes():  # the training subprocess is up
-        assert time.monotonic() < deadline, "SFT never started"
-        assert setup.flow_run(parent)["state_type"] not in ("FAILED", "CRASHED", "COMPLETED")
-        time.sleep(0.5)
-    [sft] = setup.flow_runs("ktflow-sft", ["RUNNING"])
+    sft = _wait_for_training(setup, parent, 300)
     setup.cluster.prefect("flow-run", "cancel", parent)
     setup.wait_state(parent, {"CANCELLED"}, 120)
     setup.wait_state(sft["id"], {"CANCELLED", "CRASHED"}, 120)
     deadline = time.monotonic() + 60
-    while (left := _tool_processes() + _processes_of_run(sft["id"])) and time.monotonic() < deadline:
+    while (left := _processes_of_run(sft["id"])) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, [p.cmdline() for p in left]
 
@@ -227,15 +227,12 @@ def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup)
     data = setup.dataset_variant("kill.jsonl", "nya~", "nya, nya~")
     earlier = set((setup.root / "store").glob("runs/*/output/checkpoint-2"))
     parent = setup.start_pipeline(setup.recipe(data))
-    deadline = time.monotonic() + 400
-    checkpoint = None
-    while checkpoint is None:
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        assert setup.flow_run(parent)["state_type"] not in ("FAILED", "CRASHED", "COMPLETED", "CANCELLED")
-        checkpoint = next(iter(set((setup.root / "store").glob("runs/*/output/checkpoint-2")) - earlier), None)
-        time.sleep(0.5)
-    [sft] = setup.flow_runs("ktflow-sft", ["RUNNING"])
-    victims = _processes_of_run(sft["id"]) + _tool_processes()
+
+    def checkpointed() -> bool:
+        return bool(set((setup.root / "store").glob("runs/*/output/checkpoint-2")) - earlier)
+
+    sft = _wait_for_training(setup, parent, 400, checkpointed)
+    victims = _processes_of_run(sft["id"])
     assert victims
     for proc in victims:  # the stage's flow process and its trainer die at once, as on a crash
         try:
@@ -249,3 +246,26 @@ def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup)
     retried = [run for run in sft_runs if run["id"] != sft["id"] and run["created"] > sft["created"]]
     assert retried and retried[0]["state_type"] == "COMPLETED"
     assert "resumed from" in setup.summary(parent)["sft"] and "checkpoint-" in setup.summary(parent)["sft"]
+
+
+def test_a_restarted_worker_does_not_run_a_stage_twice(setup: Setup) -> None:
+    data = setup.dataset_variant("restart.jsonl", "nya~", "nya... nya~")
+    before = {run["id"] for run in setup.flow_runs("ktflow-sft")}
+    parent = setup.start_pipeline(setup.recipe(data))
+    sft = _wait_for_training(setup, parent, 300)
+    # The training host's worker dies (kill -9 of ktflow worker and Prefect's workers); the
+    # stage's own process lives on, as it does when a worker unit is restarted.
+    supervisor = psutil.Process(setup.cluster.workers[TRAIN].pid)
+    workers = supervisor.children()
+    for proc in [supervisor, *workers]:
+        proc.kill()
+    psutil.wait_procs([supervisor, *workers], timeout=30)
+    setup.cluster.workers.pop(TRAIN).wait()
+    assert _processes_of_run(sft["id"]), "the stage's process outlives its worker"
+    setup.cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], {"KT_KERNEL_CPU_VARIANT": "amx"})
+
+    final = setup.wait_state(parent, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, 600)
+    assert final["state_type"] == "COMPLETED", final["state"]
+    new_sft_runs = [run for run in setup.flow_runs("ktflow-sft") if run["id"] not in before]
+    assert [run["id"] for run in new_sft_runs] == [sft["id"]]  # one SFT run, not two
+    assert "resumed from" not in setup.summary(parent)["sft"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,8 +35,7 @@ PORT = free_port()
 def run(cwd: Path, *extra: str) -> tuple[dict, float]:
     env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "ktflow.cli", "run", "recipes/tiny-demo.yaml", "--json",
-                           "--set", f"serving.port={PORT}", *extra],
+    done = subprocess.run([sys.executable, "-m", "ktflow.cli", "run", "recipes/tiny-demo.yaml", "--json", *extra],
                           cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout), time.monotonic() - started
@@ -45,29 +45,28 @@ def results(outcome: dict) -> dict[str, str]:
     return {row["stage"]: row["result"] for row in outcome["stages"]}
 
 
-def test_pipeline_runs_every_stage_then_caches_then_reruns_only_what_the_data_touches(tmp_path: Path) -> None:
+def test_demo_runs_every_stage_then_caches_then_reruns_only_what_the_data_touches(tmp_path: Path) -> None:
     shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    recipe = tmp_path / "recipes/tiny-demo.yaml"
+    recipe.write_text(recipe.read_text().replace("port: 18765", f"port: {PORT}"))
     for env in (".venv-train", ".venv-serve"):
         (tmp_path / env).symlink_to(REPO / env)
-    demo = subprocess.run([sys.executable, "-c", "from pathlib import Path\nfrom ktflow.demo import write_demo_dataset\n"
-                           "from ktflow.fixtures import FixtureSpec, make_fixture\n"
-                           "make_fixture(FixtureSpec(kind='kimi-k2.5'), Path('.ktflow/demo/kimi-k2.5-tiny'))\n"
-                           "write_demo_dataset(Path('.ktflow/demo/data'))"], cwd=tmp_path, capture_output=True, text=True)
-    assert demo.returncode == 0, demo.stderr
-    stop = [sys.executable, "-m", "ktflow.cli", "serve", "recipes/tiny-demo.yaml", "--stop", "--set", f"serving.port={PORT}"]
+    stop = [sys.executable, "-m", "ktflow.cli", "serve", "recipes/tiny-demo.yaml", "--stop"]
     try:
-        first, _ = run(tmp_path)
-        r1 = results(first)
-        assert "tensors" in r1["dequantize"] and "steps" in r1["sft"]
-        assert first["endpoint"].startswith("http://127.0.0.1:")
-        assert r1["evaluate"] == "adapter applied: True, promoted: True"
-        assert (Path(first["evaluation"])).exists()
+        # `make demo`: makes the fixture and data, runs the pipeline flow on the embedded API.
+        demo = demo_run(tmp_path)
+        assert re.search(r"demo pipeline \(tiny-demo\): Completed", demo.stdout), demo.stdout
+        for stage, ran in (("dequantize", "tensors)"), ("sft", "steps)"), ("quantize-int8", "(T=2)")):
+            assert re.search(rf"{stage}\s.*{re.escape(ran)}", demo.stdout), (stage, demo.stdout)
+        assert "the answer to" in demo.stdout and "| rouge-l |" in demo.stdout
+        assert "adapter applied: **True**" in demo.stdout or "adapter applied" in demo.stdout
+        pid = endpoint_pid(tmp_path)
 
-        second, seconds = run(tmp_path)
-        r2 = results(second)
-        assert r2["dequantize"].endswith("(cached)") and r2["sft"].endswith("(cached)")
-        assert second["endpoint"] == first["endpoint"]
-        print(f"cached rerun: {seconds:.1f} s")
+        started = time.monotonic()
+        again = demo_run(tmp_path)  # everything is a cache hit; the server is not restarted
+        print(f"cached demo rerun: {time.monotonic() - started:.1f} s")
+        assert again.stdout.count("(cached)") >= 3, again.stdout  # dequantize, sft, and the summary says so
+        assert endpoint_pid(tmp_path) == pid
 
         data = tmp_path / ".ktflow/demo/data/train.jsonl"
         lines = data.read_text().splitlines()
@@ -76,7 +75,21 @@ def test_pipeline_runs_every_stage_then_caches_then_reruns_only_what_the_data_to
         third, _ = run(tmp_path)
         r3 = results(third)
         assert r3["dequantize"].endswith("(cached)")  # the data is downstream of the weights
-        assert "steps" in r3["sft"] and r3["sft"] != r1["sft"]  # a new run, trained again
-        assert third["adapter"] != first["adapter"]
+        assert "steps" in r3["sft"] and not r3["sft"].endswith("(cached)")  # trained again
+        assert r3["evaluate"] == "adapter applied: True, promoted: True"
+        assert endpoint_pid(tmp_path) != pid  # the new adapter is served
     finally:
         subprocess.run(stop, cwd=tmp_path, capture_output=True)
+
+
+def demo_run(cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "ktflow.cli", "demo"], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-4000:]
+    return done
+
+
+def endpoint_pid(cwd: Path) -> int:
+    return json.loads((cwd / ".ktflow/store/serving/tiny-demo/endpoint.json").read_text())["pid"]
