@@ -409,8 +409,9 @@ def _print_stages(title: str, outcome: dict) -> None:
     table = Table(title=title)
     for column in ("stage", "runs", "why", "result"):
         table.add_column(column)
+    here = f"{Path.cwd()}{os.sep}"
     for row in outcome["stages"]:
-        table.add_row(row["stage"], row["runs"], row["why"], row["result"])
+        table.add_row(row["stage"], row["runs"], row["why"], row["result"].replace(here, ""))
     out.print(table)
 
 

@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.logging import get_run_logger
 
 from ktflow.convert_lora import ConvertLoraResult, convert_lora
 from ktflow.process import ThrottledLines
-from tasks._common import retry_unless_invalid_input
+from ktflow.store import read_manifest
+from tasks._common import StageCachePolicy, retry_unless_invalid_input
 
 
-@task(name="convert-lora", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_invalid_input)
+def _cache_key(inputs: dict[str, Any]) -> str | None:
+    # out_dir is named by the trained adapter's manifest digest; its own manifest names what it holds.
+    out = Path(inputs["out_dir"])
+    manifest = read_manifest(out) if out.is_dir() else None
+    source = read_manifest(Path(inputs["adapter_dir"]))
+    if manifest is None or source is None:
+        return None
+    return f"{source.digest()}:{out.absolute()}:{manifest.digest()}:{inputs['base_dir']}"
+
+
+@task(name="convert-lora", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_invalid_input,
+      cache_policy=StageCachePolicy("convert-lora", _cache_key), cache_result_in_memory=False)
 def convert_lora_task(adapter_dir: str, out_dir: str, base_dir: str, serve_python: str) -> ConvertLoraResult:
     """Convert a KT fused adapter for SGLang (or validate a PEFT one) and publish it; cached by inputs."""
     logger = get_run_logger()

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
-from tasks._common import ProgressReporter, retry_unless_invalid_input
+from ktflow.checkpoint import checkpoint_digest
+from ktflow.store import read_manifest
+from tasks._common import ProgressReporter, StageCachePolicy, retry_unless_invalid_input
+
+
+def _cache_key(inputs: dict[str, Any]) -> str | None:
+    # out_dir is named by the BF16 input's identity and T; no key until it is published.
+    out, src = Path(inputs["out_dir"]), Path(inputs["bf16_dir"])
+    manifest = read_manifest(out) if out.is_dir() else None
+    if manifest is None:
+        return None
+    return f"{checkpoint_digest(src)}:{out.absolute()}:{manifest.digest()}:{inputs['threadpool_count']}"
 
 
 @task(
     name="quantize-int8",
+    cache_policy=StageCachePolicy("quantize-int8", _cache_key),
+    cache_result_in_memory=False,
     # A retry resumes per layer: finished layers in the staging dir are reused.
     retries=2,
     retry_delay_seconds=30,

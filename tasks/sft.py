@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
@@ -10,12 +11,29 @@ from prefect.logging import get_run_logger
 
 from ktflow.hardware import probe_host
 from ktflow.recipe import Recipe
-from ktflow.sft import SftResult, TrainerProgress, run_sft
-from tasks._common import ProgressReporter, retry_unless_invalid_input
+from ktflow.errors import InvalidInputError
+from ktflow.sft import SftResult, TrainerProgress, locate_adapter, run_sft
+from ktflow.store import read_manifest
+from tasks._common import ProgressReporter, StageCachePolicy, retry_unless_invalid_input
+
+
+def _cache_key(inputs: dict[str, Any]) -> str | None:
+    # The published adapter of this exact run (base digest + data digest + settings name it): no
+    # key until it exists, so Prefect never returns a result whose adapter was deleted. The data
+    # digest is over file contents, so a changed record is a new key.
+    recipe: Recipe = inputs["recipe"]
+    try:
+        adapter = locate_adapter(recipe, Path(inputs["model_dir"]))
+    except InvalidInputError:
+        return None
+    manifest = read_manifest(adapter)
+    return f"{adapter}:{manifest.digest()}" if manifest else None
 
 
 @task(
     name="sft",
+    cache_policy=StageCachePolicy("sft", _cache_key),
+    cache_result_in_memory=False,
     # A retry resumes from the last complete checkpoint (same run directory), never from step 0;
     # a completed run is a cache hit inside the engine (its published adapter manifest).
     retries=2,

@@ -58,6 +58,7 @@ def test_demo_runs_every_stage_then_caches_then_reruns_only_what_the_data_touche
         assert re.search(r"demo pipeline \(tiny-demo\): Completed", demo.stdout), demo.stdout
         for stage, ran in (("dequantize", "tensors)"), ("sft", "steps)"), ("quantize-int8", "(T=2)")):
             assert re.search(rf"{stage}\s.*{re.escape(ran)}", demo.stdout), (stage, demo.stdout)
+        assert "(cached)" not in demo.stdout
         assert "the answer to" in demo.stdout and "| rouge-l |" in demo.stdout
         assert "adapter applied: **True**" in demo.stdout or "adapter applied" in demo.stdout
         pid = endpoint_pid(tmp_path)
