@@ -26,13 +26,15 @@ _CHUNK = 8 << 20
 
 @dataclass
 class ChildRun:
-    """One child process: its exit code, peak RSS (bytes), wall time and the result it printed."""
+    """One child process: its exit code, peak RSS (bytes), wall time and the result it printed, plus
+    ``others_busy``: how many CPUs other processes kept busy meanwhile, on average (the box may be shared)."""
 
     returncode: int
     peak_rss: int
     wall: float
     result: dict[str, Any]
     log: Path
+    others_busy: float = 0.0
 
 
 def host_info(packages: Sequence[str] = ()) -> dict[str, Any]:
@@ -65,6 +67,7 @@ def host_info(packages: Sequence[str] = ()) -> dict[str, Any]:
 
 def run_child(argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> ChildRun:
     """Run ``python argv`` with output to ``log``; peak RSS from ``os.wait4`` of that child alone."""
+    busy0 = _host_busy_seconds()
     with open(log, "wb") as out:
         started = time.perf_counter()
         proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
@@ -76,7 +79,18 @@ def run_child(argv: Sequence[str], log: Path, env: dict[str, str] | None = None)
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX):])
-    return ChildRun(proc.returncode, usage.ru_maxrss * 1024, wall, result, log)
+    others = max(0.0, _host_busy_seconds() - busy0 - usage.ru_utime - usage.ru_stime) / wall if busy0 >= 0 else 0.0
+    return ChildRun(proc.returncode, usage.ru_maxrss * 1024, wall, result, log, others_busy=others)
+
+
+def _host_busy_seconds() -> float:
+    """CPU seconds all CPUs of the host have spent busy since boot (``/proc/stat``); -1 if unknown."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return -1.0
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def report(result: dict[str, Any]) -> None:

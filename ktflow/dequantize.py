@@ -20,10 +20,11 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,16 @@ from ktflow.safetensors_io import (
     read_header,
     read_tensor,
 )
-from ktflow.store import StageManifest, atomic_write_json, publish_dir, read_manifest, staging_dir_for
+from ktflow.store import (
+    StageManifest,
+    artifact_lock,
+    atomic_write_json,
+    check_free_space,
+    publish_dir,
+    read_manifest,
+    staging_dir_for,
+    storage_errors,
+)
 
 INT4_GROUP_SIZE = 32
 FP8_BLOCK = (128, 128)
@@ -57,38 +67,63 @@ _JOURNAL = ".ktflow-dequantize.json"  # identity of the source a staging dir was
 _TMP_SUFFIX = ".tmp"
 
 Progress = Callable[[int, int], None]
+Pieces = Generator[memoryview, None, None]  # one tensor's bytes in order, each piece valid until the next
 
 
 # --------------------------------------------------------------------------- decode kernels
 
 
-def _byte_pair_table() -> torch.Tensor:
-    """For each packed byte, its two decoded codes ``nibble - 8`` as two BF16 values in one int32.
+def _nibble_quad_table() -> torch.Tensor:
+    """For each little-endian uint16 of packed data (4 nibbles = 4 columns), its 4 decoded codes
+    ``nibble - 8`` as 4 BF16 values in one int64, the first column (lowest nibble) in the low bits.
 
-    Little-endian: the low half (the first column, from the low nibble) comes first in memory,
-    so gathering this table by byte writes BF16 columns in order in a single pass.
+    Gathering this 512 KB table once per 2 packed bytes writes BF16 columns in order, in half the
+    gathers of a 256-entry byte-pair table (measured: 1.55 vs 2.4 ms per 2048x7168 matrix).
     """
     codes = (torch.arange(16, dtype=torch.float32) - 8).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    byte = torch.arange(256)
-    pairs = codes[byte & 0x0F] | (codes[byte >> 4] << 16)
-    return torch.where(pairs >= 2**31, pairs - 2**32, pairs).to(torch.int32)
+    i = torch.arange(65536)
+    return codes[i & 0xF] | (codes[(i >> 4) & 0xF] << 16) | (codes[(i >> 8) & 0xF] << 32) | (codes[i >> 12] << 48)
 
 
-_BYTE_PAIRS = _byte_pair_table()
+_NIBBLE_QUADS = _nibble_quad_table()
+# Output elements decoded per step (1 MB of BF16): the step's packed bytes, gather index and output
+# stay in the CPU cache through read, gather, scale multiply and the page-cache write, instead of
+# streaming three tensor-sized intermediates through memory. Measured on the 2-core EPYC, CPU s per
+# 1.09 GB: 256K elements 0.43, 512K 0.41, 1M 0.41, 2M 0.63 (the whole-tensor decode it replaced: 0.5-1.9).
+_DECODE_CHUNK = 1 << 19
 _scratch = threading.local()
 
 
-def _scratch_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's int32 index and bf16 output scratch for ``n`` output elements, reused.
+def _scratch_buffer(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch tensor ``name`` of at least ``n`` elements, reused across calls.
 
     Fresh multi-MB tensors per decode are mmap'd and unmapped by malloc each time: every page is
-    faulted in again (~22k faults per expert matrix), which costs more than the decode itself.
+    faulted in again, which costs more than the decode itself.
     """
-    if getattr(_scratch, "n", 0) < n:
-        _scratch.index = torch.empty(n // 2, dtype=torch.int32)
-        _scratch.bf16 = torch.empty(n, dtype=torch.bfloat16)
-        _scratch.n = n
-    return _scratch.index[: n // 2], _scratch.bf16[:n]
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf[:n]
+
+
+def _decode_int4_rows(
+    out: torch.Tensor, packed_rows: torch.Tensor, scale_rows: torch.Tensor, index: torch.Tensor, group_size: int
+) -> None:
+    """``out`` [r, cols] BF16 <- ``packed_rows`` (contiguous, r * cols / 2 bytes), ``scale_rows`` [r, cols / group].
+
+    Only when :func:`_int4_fast_path` holds; ``index`` is int32 scratch of r * cols / 4 elements.
+    """
+    rows, cols = out.shape
+    index.copy_(packed_rows.reshape(-1).view(torch.uint16))
+    torch.index_select(_NIBBLE_QUADS, 0, index, out=out.view(-1).view(torch.int64))
+    # bf16 * bf16 on CPU: fp32 product (exact: 4 x 8 significant bits), rounded once to bf16.
+    out.view(rows, scale_rows.shape[1], group_size).mul_(scale_rows.unsqueeze(-1))
+
+
+def _int4_fast_path(packed_words: int, scale_groups: int, cols: int, group_size: int) -> bool:
+    """Whole int32 words and whole scale groups: every real Kimi tensor, decoded by the table gather."""
+    return packed_words * 8 == cols == scale_groups * group_size
 
 
 def decode_int4_pack_quantized(
@@ -111,15 +146,15 @@ def decode_int4_pack_quantized(
     nbytes = packed.shape[1] * 4
     groups = scale.shape[1]
     as_bytes = packed.contiguous().view(torch.uint8).reshape(rows, nbytes)
-    if nbytes * 2 == cols == groups * group_size:  # every real Kimi tensor: a table gather, bf16 math
-        if reuse_buffers:
-            index, bf = _scratch_buffers(rows * cols)
-        else:
-            index, bf = torch.empty(rows * cols // 2, dtype=torch.int32), torch.empty(rows * cols, dtype=torch.bfloat16)
-        index.copy_(as_bytes.view(-1))
-        torch.index_select(_BYTE_PAIRS, 0, index, out=bf.view(torch.int32))
-        # bf16 * bf16 on CPU: fp32 product (exact: 4 x 8 significant bits), rounded once to bf16.
-        return bf.view(rows, groups, group_size).mul_(scale.unsqueeze(-1)).view(rows, cols)
+    if _int4_fast_path(packed.shape[1], groups, cols, group_size):
+        out = (_scratch_buffer("out", rows * cols, torch.bfloat16) if reuse_buffers
+               else torch.empty(rows * cols, dtype=torch.bfloat16)).view(rows, cols)
+        step = max(1, _DECODE_CHUNK // max(cols, 1))
+        index = _scratch_buffer("index", min(step, rows) * cols // 4, torch.int32)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            _decode_int4_rows(out[r0:r1], as_bytes[r0:r1], scale[r0:r1], index[: (r1 - r0) * cols // 4], group_size)
+        return out
     nibbles = torch.empty((rows, nbytes, 2), dtype=torch.uint8)
     torch.bitwise_and(as_bytes, 0x0F, out=nibbles[:, :, 0])
     torch.bitwise_right_shift(as_bytes, 4, out=nibbles[:, :, 1])
@@ -265,16 +300,146 @@ def _plan_shard(ckpt: _Checkpoint, shard: str) -> list[_OutTensor]:
     return plan
 
 
+def _check_finite_scales(ckpt: _Checkpoint, name: str, scale: torch.Tensor) -> None:
+    """A NaN or infinite scale would publish NaN/inf weights that fail only at training time."""
+    if not bool(torch.isfinite(scale).all()):
+        bad = int((~torch.isfinite(scale)).sum())
+        raise CheckpointError(
+            f"{ckpt.weight_map.get(name, '?')}: tensor '{name}'",
+            f"has {bad} NaN or infinite value(s) among {scale.numel()} scales: the shard is corrupt",
+            "re-download the shard (`ktflow download` verifies hashes) or restore it from the source",
+        )
+
+
 def _make_tensor(ckpt: _Checkpoint, shard: str, item: _OutTensor) -> torch.Tensor:
     if item.kind == "copy":
         return read_tensor(ckpt.header(shard), item.source)
     if item.kind == "int4":
         base = item.name
         packed = read_tensor(ckpt.header(shard), item.source)
-        return decode_int4_pack_quantized(packed, ckpt.tensor(base + "_scale"), item.shape,  # type: ignore[arg-type]
+        scale = ckpt.tensor(base + "_scale")
+        _check_finite_scales(ckpt, base + "_scale", scale)  # type: ignore[arg-type]
+        return decode_int4_pack_quantized(packed, scale, item.shape,  # type: ignore[arg-type]
                                           reuse_buffers=True)  # consumed by writer.write before this thread's next decode
     weight = read_tensor(ckpt.header(shard), item.source)
-    return decode_fp8_block(weight, ckpt.tensor(item.source + "_scale_inv"))
+    scale_inv = ckpt.tensor(item.source + "_scale_inv")
+    _check_finite_scales(ckpt, item.source + "_scale_inv", scale_inv)  # type: ignore[arg-type]
+    return decode_fp8_block(weight, scale_inv)
+
+
+def _int4_pieces(ckpt: _Checkpoint, shard: str, item: _OutTensor) -> Pieces | None:
+    """An INT4 item's BF16 bytes, decoded a few rows at a time, or None when its shape needs the general decode.
+
+    Each piece is this thread's scratch, valid until the next one is asked for: read the packed rows
+    from the source (page cache), gather, scale, hand over for writing, all while they are in the CPU
+    cache. No tensor-sized buffer is read, allocated or written: memory per worker is a few MB.
+    """
+    info = ckpt.header(shard).tensors[item.source]
+    scale_name = item.name + "_scale"
+    scale_info = ckpt.tensor_info(scale_name)  # dtype and shape checked by _plan_shard
+    rows, cols = item.shape
+    if not _int4_fast_path(info.shape[1], scale_info.shape[1], cols, INT4_GROUP_SIZE):
+        return None
+    scale = _scratch_buffer("scale", scale_info.nbytes, torch.uint8)  # a fresh 1 MB tensor costs its page faults
+    scale_path = ckpt.path / ckpt.weight_map[scale_name]
+    fd = os.open(scale_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _pread_exact(fd, scale, scale_info.start, f"{scale_path}: tensor '{scale_name}'")
+    finally:
+        os.close(fd)
+    scale_values = scale.view(torch.bfloat16).view(scale_info.shape)
+    _check_finite_scales(ckpt, scale_name, scale_values)
+    return _decode_int4_stream(ckpt.path / shard, info, scale_values, rows, cols)
+
+
+def _decode_int4_stream(path: Path, info: TensorInfo, scale: torch.Tensor, rows: int, cols: int) -> Pieces:
+    step = max(1, min(rows, _DECODE_CHUNK // max(cols, 1)))
+    packed = _scratch_buffer("packed", step * cols // 2, torch.uint8)
+    index = _scratch_buffer("index", step * cols // 4, torch.int32)
+    out = _scratch_buffer("out", step * cols, torch.bfloat16)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for r0 in range(0, rows, step):
+            r = min(step, rows - r0)
+            chunk = packed[: r * cols // 2]
+            _pread_exact(fd, chunk, info.start + r0 * cols // 2, f"{path}: tensor '{info.name}'")
+            decoded = out[: r * cols].view(r, cols)
+            _decode_int4_rows(decoded, chunk, scale[r0 : r0 + r], index[: r * cols // 4], INT4_GROUP_SIZE)
+            yield memoryview(decoded.view(-1).view(torch.uint8).numpy())
+    finally:
+        os.close(fd)
+
+
+def _copy_pieces(ckpt: _Checkpoint, shard: str, item: _OutTensor) -> Pieces | None:
+    """A pass-through tensor's bytes, read a few MB at a time into this thread's scratch (each piece
+    valid until the next), or None for BOOL tensors, which :func:`read_tensor` validates."""
+    info = ckpt.header(shard).tensors[item.source]
+    if info.dtype == "BOOL":
+        return None
+    return _read_stream(ckpt.path / shard, info)
+
+
+def _read_stream(path: Path, info: TensorInfo) -> Pieces:
+    buf = _scratch_buffer("copy", min(info.nbytes, 2 * _DECODE_CHUNK), torch.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for start in range(0, info.nbytes, buf.numel()):
+            chunk = buf[: min(buf.numel(), info.nbytes - start)]
+            _pread_exact(fd, chunk, info.start + start, f"{path}: tensor '{info.name}'")
+            yield memoryview(chunk.numpy())
+    finally:
+        os.close(fd)
+
+
+def _pread_exact(fd: int, buf: torch.Tensor, offset: int, where: str) -> None:
+    view, done = memoryview(buf.numpy()), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise CheckpointError(where, f"truncated: the file ends at {offset + done} (it shrank after its header "
+                                         "was checked)", "re-download or re-run the stage")
+        done += got
+
+
+class _ShardWriter(SafetensorsWriter):
+    """A :class:`SafetensorsWriter` that also takes one tensor as consecutive byte pieces.
+
+    A decoded INT4 tensor then goes to the page cache a few rows at a time, each piece while it is
+    still in the CPU cache, and no whole BF16 tensor is ever held. Same checks and bookkeeping as
+    :meth:`SafetensorsWriter.write`, on its internals (keep in step with ktflow.safetensors_io).
+    """
+
+    def write_pieces(self, name: str, pieces: Iterable[memoryview]) -> None:
+        slot = self._slots.get(name)
+        if slot is None:
+            raise ValueError(f"{self.path}: tensor {name!r} is not in the plan")
+        _, _, offset, nbytes = slot
+        with self._cond:
+            if self._fd is None:
+                raise ValueError(f"{self.path}: writer is closed")
+            if name in self._written:
+                raise ValueError(f"{self.path}: tensor {name!r} written twice")
+            self._written.add(name)
+            self._busy += 1
+            fd = self._fd
+        try:
+            end = offset + nbytes
+            for piece in pieces:
+                if offset + len(piece) > end:
+                    raise ValueError(f"{self.path}: tensor {name!r} got more than its {nbytes} bytes")
+                while piece:  # pwrite may write less than asked
+                    n = os.pwrite(fd, piece, offset)
+                    piece, offset = piece[n:], offset + n
+            if offset != end:
+                raise ValueError(f"{self.path}: tensor {name!r} got {nbytes - (end - offset)} of its {nbytes} bytes")
+        except BaseException:
+            with self._cond:
+                self._written.discard(name)
+            raise
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
 
 
 # --------------------------------------------------------------------------- the stage
@@ -306,6 +471,7 @@ def dequantize_checkpoint(
     workers: int | None = None,
     fsync: bool = True,
     progress: Progress | None = None,
+    _locked: bool = False,
 ) -> DequantizeResult:
     """Write a BF16 copy of an INT4 or FP8 checkpoint; reuse a BF16 source as it is.
 
@@ -316,8 +482,16 @@ def dequantize_checkpoint(
         fsync: fsync each shard before publishing it (durable output).
         progress: called with (bytes written, bytes total) as tensors complete.
 
+    Concurrent runs onto one ``dst`` are serialized by :func:`~ktflow.store.artifact_lock`: the
+    second waits, then finds the artifact published (a cache hit).
+
     Raises:
         CheckpointError: the source is malformed or in an unsupported format (nothing written).
+        HostRequirementError: too little free space for the output, or DST's directory is not
+            writable (checked before any work).
+        StorageError: the disk filled up (or became read-only) mid-run; complete shards stay in
+            staging for the rerun.
+        KtflowError: a source shard changed during the run.
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -339,6 +513,13 @@ def dequantize_checkpoint(
                                 seconds=time.perf_counter() - started, manifest_digest=existing.digest())
     if dst.exists() and existing is None:
         raise InvalidInputError(str(dst), "exists and is not a ktflow artifact", "choose a new DST or remove it")
+    if not _locked:  # one writer per DST: a concurrent run waits here, then finds it published
+        with artifact_lock(dst), storage_errors(dst):
+            return dequantize_checkpoint(src, dst, workers=workers, fsync=fsync, progress=progress, _locked=True)
+
+    # Every header, dtype, shape and companion checked before anything is written.
+    shards = ckpt.shards()
+    plans = {shard: _plan_shard(ckpt, shard) for shard in shards}
 
     staging = staging_dir_for(dst)
     journal = staging / _JOURNAL
@@ -353,8 +534,6 @@ def dequantize_checkpoint(
     if not journal.exists():
         atomic_write_json(journal, {"identity": identity}, fsync=fsync)
 
-    shards = ckpt.shards()
-    plans = {shard: _plan_shard(ckpt, shard) for shard in shards}
     total = sum(t.nbytes for plan in plans.values() for t in plan)
     done_bytes = 0
     decoded = 0
@@ -381,13 +560,25 @@ def dequantize_checkpoint(
             advance(sum(t.nbytes for t in plan))  # finished by an earlier attempt
         else:
             jobs.append(_ShardJob(ckpt, shard, plan, final, fsync, identity))
-    with _single_thread_torch():
-        _run_jobs(jobs, n_workers, advance)
+    others = sum(p.stat().st_size for p in src.rglob("*") if p.is_file() and p.name not in plans)
+    check_free_space(dst, sum(t.nbytes + 128 for job in jobs for t in job.plan) + others, what="the BF16 output",
+                     files=len(jobs) + 8)
+    try:
+        with _single_thread_torch():
+            _run_jobs(jobs, n_workers, advance)
+    except CheckpointError:
+        # A corrupt source (e.g. NaN scales) is found while decoding: the shards made so far come
+        # from a source that must be replaced (a new identity), so none of them can be resumed.
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
     config = _strip_quantization_config(json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")))
     atomic_write_json(staging / CONFIG_NAME, config, fsync=fsync)
     atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fsync=fsync)
     _copy_other_files(src, staging, skip=set(shards) | {CONFIG_NAME, INDEX_NAME})
+    if checkpoint_identity(src) != identity:  # a shard checks only its own source; scales may live in others
+        raise KtflowError(f"{src} changed while it was being converted; nothing was published. Rerun the stage once "
+                          "the source is stable (what was made from the old version is discarded).")
     journal.unlink()
     manifest = StageManifest(
         stage="dequantize",
@@ -429,15 +620,21 @@ class _ShardJob:
         self.ckpt, self.shard, self.plan, self.final, self.fsync, self.identity = ckpt, shard, plan, final, fsync, identity
         self.tmp = final.with_name(final.name + _TMP_SUFFIX)
         self.remaining = len(plan)
-        self.writer: SafetensorsWriter | None = None
+        self.writer: _ShardWriter | None = None
         self._lock = threading.Lock()
 
     def open(self) -> None:
-        self.writer = SafetensorsWriter(self.tmp, [(t.name, t.dtype, t.shape) for t in self.plan], metadata={"format": "pt"})
+        self.writer = _ShardWriter(self.tmp, [(t.name, t.dtype, t.shape) for t in self.plan], metadata={"format": "pt"})
 
     def write(self, item: _OutTensor) -> None:
         assert self.writer is not None
-        self.writer.write(item.name, _make_tensor(self.ckpt, self.shard, item))
+        pieces = (_int4_pieces(self.ckpt, self.shard, item) if item.kind == "int4"
+                  else _copy_pieces(self.ckpt, self.shard, item) if item.kind == "copy" else None)
+        if pieces is not None:
+            with closing(pieces):  # closes its source fd, also when the write fails midway
+                self.writer.write_pieces(item.name, pieces)
+        else:
+            self.writer.write(item.name, _make_tensor(self.ckpt, self.shard, item))
         if self.fsync:  # start this tensor's writeback now, so the shard's closing fsync has little left
             self.writer.start_writeback(item.name)
         with self._lock:
@@ -454,13 +651,34 @@ class _ShardJob:
         self.tmp.unlink(missing_ok=True)
 
 
+def _interleaved(jobs: list[_ShardJob], lanes: int) -> Iterator[tuple[_ShardJob, _OutTensor]]:
+    """Every (job, tensor), in shard order but alternating between ``lanes`` shards in progress;
+    a lane whose shard is done takes the next one.
+
+    Buffered writes to one file serialize on its inode lock, and a writer waiting for it spins on
+    the CPU while the holder copies into the page cache; workers on different shards do not.
+    """
+    upcoming = (iter([(job, item) for item in job.plan]) for job in jobs if job.plan)
+    active: list[Iterator[tuple[_ShardJob, _OutTensor]] | None] = list(islice(upcoming, lanes))
+    while active:
+        for i, lane in enumerate(active):
+            entry = next(lane, None)
+            while entry is None and lane is not None:  # this shard is done: the lane takes the next one
+                active[i] = lane = next(upcoming, None)
+                entry = None if lane is None else next(lane, None)
+            if entry is not None:
+                yield entry
+        active = [lane for lane in active if lane is not None]
+
+
 def _run_jobs(jobs: list[_ShardJob], n_workers: int, advance: Callable[[int], None]) -> None:
     """Decode and write every job's tensors on ``n_workers`` threads, shards overlapping.
 
-    Tensors are submitted in shard order with at most 2 per worker in flight, so memory stays
-    bounded whatever the shard size, and only the shards under that window are open. Letting
-    the next shard start while the last one's tail and fsync run keeps every core busy, and
-    spreads page-cache writes over several files (one file's buffered writes serialize).
+    Tensors are submitted with at most 2 per worker in flight, so memory stays bounded whatever
+    the shard size, alternating between ``n_workers`` shards in progress at once (see
+    :func:`_interleaved`; measured: 0.22 vs 0.33 s median wall for 1.09 GB on 2 cores, and less CPU
+    lost spinning once writeback runs). Letting the next shard start while the last one's tail and
+    fsync run keeps every core busy.
     """
     if not jobs:
         return
@@ -472,14 +690,14 @@ def _run_jobs(jobs: list[_ShardJob], n_workers: int, advance: Callable[[int], No
     pending: set[Future[None]] = set()
     with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="dequant") as pool:
         try:
-            for job in jobs:
-                job.open()
-                for item in job.plan:
-                    if len(pending) >= 2 * n_workers:
-                        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                        for f in finished:
-                            f.result()
-                    pending.add(pool.submit(work, job, item))
+            for job, item in _interleaved(jobs, n_workers):
+                if job.writer is None:
+                    job.open()
+                if len(pending) >= 2 * n_workers:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        f.result()
+                pending.add(pool.submit(work, job, item))
             for f in pending:
                 f.result()
         except BaseException:

@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -321,6 +322,11 @@ def artifact_lock(
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 owner = _lock_owner(fd)
+                for _ in range(20):  # the holder writes its note just after locking: give it a moment
+                    if "pid " in owner:
+                        break
+                    time.sleep(0.05)
+                    owner = _lock_owner(fd)
                 if not wait:
                     raise ArtifactBusyError(
                         f"{final_dir} is being written by {owner} (lock {path}); wait for it to finish, or rerun "

@@ -42,11 +42,10 @@ def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: 
 def _evaluation_key(inputs: dict[str, Any]) -> str | None:
     # The same held-out data and settings against the same live server process (same adapter)
     # give the same report: a rerun of an unchanged pipeline does not evaluate again. A restarted
-    # server (new pid/start time) or a deleted report means evaluate again.
+    # server (new pid and start time) means evaluate again.
     recipe: Recipe = inputs["recipe"]
     endpoint: Endpoint = inputs["endpoint"]
-    report = (recipe.store.root / "eval" / recipe.name).absolute() / "report.md"
-    if not report.is_file() or not is_alive(endpoint):
+    if not is_alive(endpoint):
         return None
     files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in recipe.evaluation.files]
     return json.dumps([recipe.evaluation.model_dump(mode="json"), files, inputs["model_dir"], endpoint.url,

@@ -54,11 +54,14 @@ class Cluster:
             raise AssertionError(f"ktflow {' '.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         return done
 
-    def start_worker(self, host: str, pools: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start_worker(self, host: str, pools: list[str], extra_env: dict[str, str] | None = None,
+                     toolchains: list[str] = ()) -> subprocess.Popen[bytes]:  # type: ignore[assignment]
         log = open(self.logs / f"worker-{host}.log", "ab")
         argv = [sys.executable, "-m", "ktflow.cli", "worker", "--name", host, "--checkout", str(REPO)]
         for pool in pools:
             argv += ["--pool", pool]
+        for item in toolchains:
+            argv += ["--toolchain", item]
         proc = subprocess.Popen(argv, cwd=REPO, env={**self.env, **(extra_env or {})}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.workers[host] = proc
@@ -105,6 +108,7 @@ def prefect_cluster(home: Path) -> Iterator[Cluster]:
         # Stage runs are picked up within 3 s instead of Prefect's default 10 s poll.
         "PREFECT_WORKER_QUERY_SECONDS": "3",
         "KTFLOW_CHECKOUT": str(REPO),
+        "COLUMNS": "250",  # the prefect CLI's tables, unabridged
     }
     env.pop("PREFECT_PROFILE", None)
     log = open(home / "server.log", "ab")

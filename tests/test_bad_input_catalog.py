@@ -435,9 +435,7 @@ CATALOG: list[Case] = [
          edited_config("deepseek-v3", lambda qc: qc.update(quant_method="gptq")),
          ("config.json", "quant_method is 'gptq'"), ("convert the checkpoint to BF16 first",)),
     Case("checkpoint-nan-in-scales", "checkpoint", corrupted("kimi-k2", _nan_scale, "dequantize"),
-         ("weight_scale", "NaN"), (REFETCH,),
-         xfail="dequantize decodes NaN scales into NaN BF16 weights and publishes them; the check belongs in "
-               "ktflow/dequantize.py (_make_tensor: refuse a non-finite scale), which this suite may not edit"),
+         ("weight_scale", "NaN"), (REFETCH,)),
 
     # ---- datasets (ktflow sft, for real: validation must stop it before the launch)
     Case("dataset-malformed-json-line", "dataset", bad_data('{"messages": [{"role": "user", "content": "x"}'),

@@ -312,3 +312,51 @@ def test_int4_kernel_reused_buffers_give_the_same_bits() -> None:
         assert torch.equal(fresh.view(torch.int16), reused.view(torch.int16))
         results.append(reused)
     assert not torch.equal(results[0], results[2])  # different seeds, and no stale scratch leaked
+
+
+@pytest.mark.parametrize("chunk", [64, 1000])
+@pytest.mark.parametrize("kind", ["kimi-k2.5", "kimi-k2"])
+def test_streamed_in_many_uneven_steps_is_still_bit_exact(
+    kind: str, chunk: int, fixture_dir, reference_bf16_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoded and copied tensors go out a few rows / bytes at a time: tiny steps (one row; rows not a
+    multiple of the step, so a short last step) must give the same bytes as compressed-tensors."""
+    import ktflow.dequantize as dq
+
+    monkeypatch.setattr(dq, "_DECODE_CHUNK", chunk)
+    dequantize_checkpoint(fixture_dir(kind), tmp_path / "out", workers=2, fsync=False)
+    assert_bit_identical(all_tensors(tmp_path / "out"), all_tensors(reference_bf16_dir(kind)))
+
+
+def test_piecewise_writes_are_checked_like_whole_ones(tmp_path: Path) -> None:
+    from ktflow.dequantize import _ShardWriter
+
+    writer = _ShardWriter(tmp_path / "x.safetensors", [("a", "BF16", (2, 4)), ("b", "U8", (3,))])
+    whole = torch.arange(8, dtype=torch.bfloat16)
+    raw = memoryview(whole.view(torch.uint8).numpy())
+    with pytest.raises(ValueError, match="got 8 of its 16 bytes"):
+        writer.write_pieces("a", [raw[:8]])
+    with pytest.raises(ValueError, match="more than its 16 bytes"):
+        writer.write_pieces("a", [raw, raw[:2]])
+    with pytest.raises(ValueError, match="not in the plan"):
+        writer.write_pieces("c", [raw])
+    writer.write_pieces("a", [raw[:6], raw[6:]])  # a failed attempt does not count as written
+    with pytest.raises(ValueError, match="written twice"):
+        writer.write_pieces("a", [raw])
+    writer.write("b", torch.tensor([1, 2, 3], dtype=torch.uint8))
+    writer.close()
+    loaded = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(loaded["a"], whole.view(2, 4)) and loaded["b"].tolist() == [1, 2, 3]
+
+
+def test_shards_are_interleaved_and_every_tensor_comes_once() -> None:
+    from types import SimpleNamespace
+
+    from ktflow.dequantize import _interleaved
+
+    jobs = [SimpleNamespace(plan=[f"{name}{i}" for i in range(n)]) for name, n in zip("abcde", (5, 1, 3, 0, 2))]
+    for lanes in (1, 2, 3, 8):
+        order = [item for _, item in _interleaved(jobs, lanes)]  # type: ignore[arg-type]
+        assert sorted(order) == sorted(item for job in jobs for item in job.plan)
+    assert [item for _, item in _interleaved(jobs, 2)][:4] == ["a0", "b0", "a1", "c0"]  # type: ignore[arg-type]
+    assert [item for _, item in _interleaved(jobs, 1)] == [i for job in jobs for i in job.plan]  # type: ignore[arg-type]

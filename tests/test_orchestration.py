@@ -144,8 +144,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     recipe_file = root / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe))
     with prefect_cluster(root / "prefect") as cluster:
+        # ktflow's block types, and the serving host's own Toolchain block (what a host whose
+        # environments live elsewhere does); its worker runs the serving stages with it.
+        cluster.prefect("block", "register", "-m", "blocks")
+        cluster.prefect("automation", "create", "--from-file", "deployments/automations/zombie-runs.yaml")
+        subprocess.run([sys.executable, "-c", "import sys\nfrom blocks import Toolchain\n"
+                        "Toolchain(role='serve', python=sys.argv[1]).save('serve-host-serve')",
+                        str(REPO / ".venv-serve/bin/python")], cwd=REPO, env=cluster.env, check=True, timeout=120)
         cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], {"KT_KERNEL_CPU_VARIANT": "amx"})
-        cluster.start_worker(SERVE, ["avx512-serve"])
+        cluster.start_worker(SERVE, ["avx512-serve"], toolchains=["serve=serve-host-serve"])
         try:
             yield Setup(cluster, root, recipe_file)
         finally:
@@ -176,6 +183,17 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup) -> None:
     assert all(child["state_type"] == "COMPLETED" for child in children)
     summary = setup.summary(parent)
     assert "steps" in summary["sft"] and summary["evaluate"] == "adapter applied: True, promoted: True"
+    # The serve stage left a ServingEndpoint block for clients (the key stays in its env var).
+    loaded = subprocess.run([sys.executable, "-c", "from blocks import ServingEndpoint\n"
+                             "print(ServingEndpoint.load('tiny-demo-endpoint').model_dump_json())"],
+                            cwd=REPO, env=setup.cluster.env, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    block = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert block["url"] == setup.endpoint_record()["url"] and block["api_key_env"] == "KTFLOW_API_KEY"
+    assert "ktflow-crash-zombie-flow-runs" in setup.cluster.prefect("automation", "ls").stdout
+    types = setup.cluster.prefect("block", "type", "ls").stdout
+    for block_type in ("ktflow-model-store", "ktflow-toolchain", "ktflow-huggingface-credentials"):
+        assert block_type in types, types
 
 
 def test_publishing_an_unchanged_dataset_retrains_as_a_cache_hit_without_restarting_the_server(setup: Setup) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +34,8 @@ PORT = free_port()
 
 
 def run(cwd: Path, *extra: str) -> tuple[dict, float]:
-    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "KTFLOW_API_KEY": API_KEY, "HF_TOKEN": HF_TOKEN}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "ktflow.cli", "run", "recipes/tiny-demo.yaml", "--json", *extra],
                           cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
@@ -62,6 +64,7 @@ def test_demo_runs_every_stage_then_caches_then_reruns_only_what_the_data_touche
         assert "the answer to" in demo.stdout and "| rouge-l |" in demo.stdout
         assert "adapter applied: **True**" in demo.stdout or "adapter applied" in demo.stdout
         pid = endpoint_pid(tmp_path)
+        assert_no_secret_anywhere(tmp_path)
 
         started = time.monotonic()
         again = demo_run(tmp_path)  # everything is a cache hit; the server is not restarted
@@ -79,13 +82,33 @@ def test_demo_runs_every_stage_then_caches_then_reruns_only_what_the_data_touche
         assert "steps" in r3["sft"] and not r3["sft"].endswith("(cached)")  # trained again
         assert r3["evaluate"] == "adapter applied: True, promoted: True"
         assert endpoint_pid(tmp_path) != pid  # the new adapter is served
+        assert_no_secret_anywhere(tmp_path)
     finally:
         subprocess.run(stop, cwd=tmp_path, capture_output=True)
 
 
+# Secrets the demo runs with: the serving key (the recipe's serving.api_key_env) and an HF token.
+API_KEY = "ktflow-test-key-" + os.urandom(12).hex()
+HF_TOKEN = "hf_" + os.urandom(16).hex()
+
+
+def assert_no_secret_anywhere(root: Path) -> None:
+    """Neither secret in any file a run wrote (store, manifests, rendered configs, logs, eval
+    reports, Prefect's database with its logs and artifacts) nor in any process's command line."""
+    for path in root.rglob("*"):
+        if path.is_symlink() or not path.is_file():
+            continue
+        data = path.read_bytes()
+        for secret in (API_KEY, HF_TOKEN):
+            assert secret.encode() not in data, f"{secret[:8]}... found in {path}"
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        assert API_KEY not in cmdline and HF_TOKEN not in cmdline, f"secret in the argv of pid {proc.pid}"
+
+
 def demo_run(cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "COLUMNS": "200"}
+           "COLUMNS": "200", "KTFLOW_API_KEY": API_KEY, "HF_TOKEN": HF_TOKEN}
     done = subprocess.run([sys.executable, "-m", "ktflow.cli", "demo"], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-4000:]
