@@ -30,10 +30,9 @@ What it does:
    difference.
 4. Prints host, table and the tracked ratios: ours(no fsync)/compressed-tensors throughput (target >= 5x),
    ours(fsync) wall / plain write+fsync wall (target <= 1.3), peak RSS of ours (target <= 1 GB). With (a)
-   it prints the ceiling, plain write (no fsync, its fastest run: what the box can do) / compressed-tensors:
-   no converter that writes its output through the page cache can be faster than d, so if that ceiling is
-   below 5x the target is physically unreachable on the box, and says so; and ours / that plain write,
-   how close ours is to it.
+   it prints plain write (no fsync, its fastest run) / compressed-tensors and ours / that plain write. d is
+   one stream: on 2 cores it is the ceiling for any converter (both cores are busy either way); on many
+   cores, writers on several files at once go past it (measured: 16-core Xeon, ours 9.8 GB/s vs d 4.2).
    The box may be shared: each row also gives the child's CPU seconds (much less sensitive to other
    processes than wall time) and how many CPUs other processes kept busy during its runs (from
    ``/proc/stat``, the child's own CPU time subtracted; kernel writeback threads count as others); a
@@ -290,8 +289,8 @@ def main() -> int:
             "speedup_vs_ct": figures["ct"]["seconds"] / figures["ours"]["seconds"],
             "fsync_vs_plain": figures["ours-fsync"]["seconds"] / figures["plain-fsync"]["seconds"],
             "peak_rss_bytes": 1e6 * max(figures["ours"]["peak_rss_mb"], figures["ours-fsync"]["peak_rss_mb"]),
-            # context for (a): no converter writing without fsync can beat a plain write of its bytes. The
-            # ceiling is what the box can do, so the plain write's fastest run (a slow one is other load).
+            # context for (a): one plain write stream of the same bytes, its fastest run (a slow one is
+            # other load). On 2 cores no converter beats it; on many cores parallel writers can.
             "plain_vs_ct": figures["ct"]["seconds"] / figures["plain"]["min_s"],
             "ours_vs_plain": figures["plain"]["min_s"] / figures["ours"]["seconds"],
         }
@@ -301,10 +300,8 @@ def main() -> int:
         mark = {True: "ok", False: "MISSED"}
         print(f"\n(a) ours (no fsync) / compressed-tensors throughput: {ratios['speedup_vs_ct']:6.2f}x   "
               f"target >= {TARGETS['speedup_vs_ct']:.0f}x   {mark[ok['speedup_vs_ct']]}")
-        reach = ("reachable" if ratios["plain_vs_ct"] >= TARGETS["speedup_vs_ct"]
-                 else "UNREACHABLE on this box: even a plain write is below it")
-        print(f"    ceiling: plain write (no fsync, fastest run) / compressed-tensors: {ratios['plain_vs_ct']:6.2f}x "
-              f"(the most any converter can reach; {TARGETS['speedup_vs_ct']:.0f}x is {reach})")
+        print(f"    plain write (one stream, no fsync, fastest run) / compressed-tensors: {ratios['plain_vs_ct']:6.2f}x "
+              "(a ceiling on 2 cores; parallel writers on several files can pass it on many cores)")
         print(f"    ours (no fsync) / plain write (no fsync, fastest run) throughput:  {ratios['ours_vs_plain']:6.2f}")
         print(f"(b) ours (fsync) wall / plain write+fsync wall:      {ratios['fsync_vs_plain']:6.2f}    "
               f"target <= {TARGETS['fsync_vs_plain']}   {mark[ok['fsync_vs_plain']]}")
