@@ -121,6 +121,9 @@ def run_workers(launches: Sequence[WorkerLaunch], *, log: Callable[[str], None] 
     if len(launches) == 1:
         launch = launches[0]
         log(f"worker {launch.name} on pool {launch.pool}")
+        # Prefect's worker shuts down on SIGINT; one started from a background shell (`... &`)
+        # inherits it ignored, and an ignored signal stays ignored across exec.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -133,6 +136,7 @@ def run_workers(launches: Sequence[WorkerLaunch], *, log: Callable[[str], None] 
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
 
+    # Handled here (not ignored), so the workers start with SIGINT at its default, whatever we inherited.
     previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for launch in launches:

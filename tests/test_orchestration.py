@@ -287,3 +287,14 @@ def test_a_restarted_worker_does_not_run_a_stage_twice(setup: Setup) -> None:
     new_sft_runs = [run for run in setup.flow_runs("ktflow-sft") if run["id"] not in before]
     assert [run["id"] for run in new_sft_runs] == [sft["id"]]  # one SFT run, not two
     assert "resumed from" not in setup.summary(parent)["sft"]
+
+
+def test_the_server_rejects_an_invalid_recipe_before_creating_a_run(setup: Setup) -> None:
+    recipe = setup.recipe()
+    recipe["sft"]["lora_rank"] = "eight"
+    before = len(setup.flow_runs("ktflow-dispatch"))
+    done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
+                                 json.dumps({"recipe": recipe}), check=False)
+    assert done.returncode != 0
+    assert "lora_rank" in done.stdout + done.stderr
+    assert len(setup.flow_runs("ktflow-dispatch")) == before
