@@ -418,47 +418,6 @@ def _pread_exact(fd: int, buf: torch.Tensor, offset: int, where: str) -> None:
         done += got
 
 
-class _ShardWriter(SafetensorsWriter):
-    """A :class:`SafetensorsWriter` that also takes one tensor as consecutive byte pieces.
-
-    A decoded INT4 tensor then goes to the page cache a few rows at a time, each piece while it is
-    still in the CPU cache, and no whole BF16 tensor is ever held. Same checks and bookkeeping as
-    :meth:`SafetensorsWriter.write`, on its internals (keep in step with ktflow.safetensors_io).
-    """
-
-    def write_pieces(self, name: str, pieces: Iterable[memoryview]) -> None:
-        slot = self._slots.get(name)
-        if slot is None:
-            raise ValueError(f"{self.path}: tensor {name!r} is not in the plan")
-        _, _, offset, nbytes = slot
-        with self._cond:
-            if self._fd is None:
-                raise ValueError(f"{self.path}: writer is closed")
-            if name in self._written:
-                raise ValueError(f"{self.path}: tensor {name!r} written twice")
-            self._written.add(name)
-            self._busy += 1
-            fd = self._fd
-        try:
-            end = offset + nbytes
-            for piece in pieces:
-                if offset + len(piece) > end:
-                    raise ValueError(f"{self.path}: tensor {name!r} got more than its {nbytes} bytes")
-                while piece:  # pwrite may write less than asked
-                    n = os.pwrite(fd, piece, offset)
-                    piece, offset = piece[n:], offset + n
-            if offset != end:
-                raise ValueError(f"{self.path}: tensor {name!r} got {nbytes - (end - offset)} of its {nbytes} bytes")
-        except BaseException:
-            with self._cond:
-                self._written.discard(name)
-            raise
-        finally:
-            with self._cond:
-                self._busy -= 1
-                self._cond.notify_all()
-
-
 # --------------------------------------------------------------------------- the stage
 
 
@@ -637,11 +596,11 @@ class _ShardJob:
         self.ckpt, self.shard, self.plan, self.final, self.fsync, self.identity = ckpt, shard, plan, final, fsync, identity
         self.tmp = final.with_name(final.name + _TMP_SUFFIX)
         self.remaining = len(plan)
-        self.writer: _ShardWriter | None = None
+        self.writer: SafetensorsWriter | None = None
         self._lock = threading.Lock()
 
     def open(self) -> None:
-        self.writer = _ShardWriter(self.tmp, [(t.name, t.dtype, t.shape) for t in self.plan], metadata={"format": "pt"})
+        self.writer = SafetensorsWriter(self.tmp, [(t.name, t.dtype, t.shape) for t in self.plan], metadata={"format": "pt"})
 
     def write(self, item: _OutTensor) -> None:
         assert self.writer is not None

@@ -63,6 +63,7 @@ from ktflow.store import (
     FileEntry,
     StageManifest,
     artifact_lock,
+    human_bytes,
     publish_dir,
     read_manifest,
     staging_dir_for,
@@ -147,8 +148,8 @@ class InsufficientDiskError(HostRequirementError):
         super().__init__(
             subject=str(where),
             reason=(
-                f"the download still needs {_human(need)} ({need} bytes) but the filesystem has "
-                f"{_human(free)} ({free} bytes) free"
+                f"the download still needs {human_bytes(need)} ({need} bytes) but the filesystem has "
+                f"{human_bytes(free)} ({free} bytes) free"
             ),
             fix="free space there, or point store.root at a larger filesystem, or narrow source.allow_patterns.",
         )
@@ -371,7 +372,7 @@ def _download_from_hub(
         published = publish_dir(staging, final, manifest)
         if progress is not None:
             progress(total, total)
-        log.info("published %s (%d files, %s)", final, len(entries), _human(total))
+        log.info("published %s (%d files, %s)", final, len(entries), human_bytes(total))
         return DownloadResult(
             path=final, revision=sha, files=len(entries), bytes=total,
             manifest_digest=published.digest(), cached=False,
@@ -1044,11 +1045,3 @@ def _translate_error(exc: Exception, *, repo_id: str, revision: str, token: str 
         )
     retried = f" after {max_retries} retries" if _is_retryable(exc) else ""
     return DownloadError(_scrub(f"downloading {repo_id}@{revision} failed{retried}: {_one_line(exc)}", token))
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -323,13 +323,24 @@ class SafetensorsWriter:
         Raises:
             ValueError: unplanned name, wrong dtype or shape, second write of a name, writer closed.
         """
-        slot = self._slots.get(name)
-        if slot is None:
-            raise ValueError(f"{self.path}: tensor {name!r} is not in the plan")
-        dtype, shape, offset, nbytes = slot
+        dtype, shape, _, _ = self._slot(name)
         if tensor.dtype != _torch_dtypes()[dtype] or tuple(tensor.shape) != shape:
             raise ValueError(f"{self.path}: tensor {name!r} is planned as {dtype} {list(shape)}, "
                              f"got {tensor.dtype} {list(tensor.shape)}")
+        data = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        self.write_pieces(name, [memoryview(data.reshape(-1).view(_torch_dtypes()["U8"]).numpy())])
+
+    def write_pieces(self, name: str, pieces: Iterable[memoryview]) -> None:
+        """Write tensor ``name`` as consecutive byte pieces that together are exactly its planned bytes.
+
+        A converter can then hand over a tensor a few rows at a time, each piece while it is still
+        in the CPU cache, without ever holding the whole tensor. ``pieces`` may reuse one buffer:
+        each is written before the next is asked for.
+
+        Raises:
+            ValueError: unplanned name, more or fewer bytes than planned, second write, writer closed.
+        """
+        _, _, offset, nbytes = self._slot(name)
         with self._cond:
             if self._fd is None:
                 raise ValueError(f"{self.path}: writer is closed")
@@ -339,9 +350,14 @@ class SafetensorsWriter:
             self._busy += 1
             fd = self._fd
         try:
-            if nbytes:
-                data = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
-                _pwrite_all(fd, memoryview(data.reshape(-1).view(_torch_dtypes()["U8"]).numpy()), offset)
+            end = offset + nbytes
+            for piece in pieces:
+                if offset + len(piece) > end:
+                    raise ValueError(f"{self.path}: tensor {name!r} got more than its {nbytes} bytes")
+                _pwrite_all(fd, piece, offset)
+                offset += len(piece)
+            if offset != end:
+                raise ValueError(f"{self.path}: tensor {name!r} got {nbytes - (end - offset)} of its {nbytes} bytes")
         except BaseException:
             with self._cond:
                 self._written.discard(name)
@@ -350,6 +366,12 @@ class SafetensorsWriter:
             with self._cond:
                 self._busy -= 1
                 self._cond.notify_all()
+
+    def _slot(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
+        slot = self._slots.get(name)
+        if slot is None:
+            raise ValueError(f"{self.path}: tensor {name!r} is not in the plan")
+        return slot
 
     def start_writeback(self, name: str) -> None:
         """Start writing tensor ``name``'s dirty pages to disk (asynchronously) and drop them once clean."""

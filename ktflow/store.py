@@ -182,7 +182,8 @@ class ArtifactBusyError(KtflowError):
     """Another process holds the artifact's lock and the caller asked not to wait."""
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a short human figure (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -221,8 +222,8 @@ def check_free_space(final_dir: Path, need: int, *, what: str, files: int = 1) -
     if want > free:
         raise HostRequirementError(
             str(final_dir),
-            f"{what} needs ~{_human(want)} ({want} bytes) more on this filesystem; "
-            f"{existing_ancestor(final_dir.parent)} has {_human(free)} ({free} bytes) free",
+            f"{what} needs ~{human_bytes(want)} ({want} bytes) more on this filesystem; "
+            f"{existing_ancestor(final_dir.parent)} has {human_bytes(free)} ({free} bytes) free",
             "free space there, or write the artifact to a larger filesystem, then rerun "
             "(finished parts in the staging directory are reused).",
         )
@@ -244,10 +245,10 @@ def storage_errors(final_dir: Path, *, need: int | None = None) -> Iterator[None
         kept = f"finished parts stay in {staging} and are reused. " if staging.is_dir() else ""
         if exc.errno in _NO_SPACE:
             try:
-                free = f"{_human(free_bytes(final_dir.parent))} free now at {existing_ancestor(final_dir.parent)}"
+                free = f"{human_bytes(free_bytes(final_dir.parent))} free now at {existing_ancestor(final_dir.parent)}"
             except OSError:
                 free = "free space unknown"
-            needed = f"; the artifact needs ~{_human(need)} in all" if need else ""
+            needed = f"; the artifact needs ~{human_bytes(need)} in all" if need else ""
             message = (f"no space left on the device while writing {where} for {final_dir} "
                        f"({os.strerror(exc.errno)}; {free}{needed}). Nothing was published; {kept}"
                        "Free space, or write to a larger filesystem, and rerun.")

@@ -329,9 +329,9 @@ def test_streamed_in_many_uneven_steps_is_still_bit_exact(
 
 
 def test_piecewise_writes_are_checked_like_whole_ones(tmp_path: Path) -> None:
-    from ktflow.dequantize import _ShardWriter
+    from ktflow.safetensors_io import SafetensorsWriter
 
-    writer = _ShardWriter(tmp_path / "x.safetensors", [("a", "BF16", (2, 4)), ("b", "U8", (3,))])
+    writer = SafetensorsWriter(tmp_path / "x.safetensors", [("a", "BF16", (2, 4)), ("b", "U8", (3,))])
     whole = torch.arange(8, dtype=torch.bfloat16)
     raw = memoryview(whole.view(torch.uint8).numpy())
     with pytest.raises(ValueError, match="got 8 of its 16 bytes"):
