@@ -1,4 +1,5 @@
-"""Prefect flows: the pipeline DAG (download -> dequantize -> sft -> convert-lora ->
-quantize-int8 -> serve -> evaluate) and one flow per stage, each a deployment on the work
-pool whose hardware capability it needs. Built in the Orchestration issue.
+"""Prefect flows: the pipeline DAG (``pipeline.py``: download -> dequantize -> sft -> convert-lora
+-> quantize-int8 -> serve -> evaluate, run in-process or dispatched), one flow per stage
+(``stages.py``: each a deployment on the work pool whose hardware capability it needs), and the
+events ktflow emits (``events.py``).
 """
