@@ -479,12 +479,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ktflow.hardware import probe_host
     from ktflow.worker import choose_pools, pool_verdicts, run_workers, worker_launches
 
-    host = probe_host()
     if args.create_pools:
         from ktflow.worker import create_pools
 
         create_pools(log=lambda line: err.print(line))
         return 0
+    host = probe_host()
     if args.list:
         verdicts = pool_verdicts(host)
         if args.json:

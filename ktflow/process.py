@@ -312,7 +312,7 @@ def run_tool(
             timer.cancel()
         if proc.poll() is None:
             terminate_tree(proc.pid, grace_s)
-        _reap_leftovers(run_id)
+        reap_marked(run_id)
         guardian.disarm()  # nothing of the run is left to guard
         reader.join(timeout=5)
         if log:
@@ -327,15 +327,15 @@ def run_tool(
 TOOL_MARKER = "KTFLOW_TOOL_RUN"
 
 
-def _reap_leftovers(run_id: str) -> None:
-    """Stop whatever the tool left running: every process that inherited its marker.
+def reap_marked(run_id: str, marker_name: str = TOOL_MARKER) -> None:
+    """Stop every process whose environment has ``marker_name=run_id``, with its tree.
 
     Daemons a tool spawns (dataloader workers, a server it forked) outlive it as orphans; the
     environment marker each inherited identifies them exactly, whoever their parent is now.
     """
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get(TOOL_MARKER) == run_id:
+            if proc.pid != os.getpid() and proc.environ().get(marker_name) == run_id:
                 terminate_tree(proc.pid, 5)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

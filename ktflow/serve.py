@@ -63,7 +63,7 @@ import yaml
 from pydantic import BaseModel
 
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.process import TERMINATE_GRACE_S, Guardian, _die_with_parent, terminate_tree
+from ktflow.process import TERMINATE_GRACE_S, Guardian, _die_with_parent, reap_marked, terminate_tree
 from ktflow.recipe import Recipe
 from ktflow.store import atomic_write_bytes, atomic_write_json, read_manifest
 
@@ -473,14 +473,8 @@ def start_server(
 
 def _reap_marked(run_id: str | None) -> None:
     """Stop every process that inherited the server's marker (what it forked, wherever it is now)."""
-    if not run_id:
-        return
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(SERVER_MARKER) == run_id:
-                terminate_tree(proc.pid, 5)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
+    if run_id:
+        reap_marked(run_id, SERVER_MARKER)
 
 
 # --------------------------------------------------------------------------- smoke test

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from prefect.logging import get_run_logger
 
 from ktflow import ENGINE_VERSION
 from ktflow.errors import InvalidInputError
+from ktflow.store import read_manifest
 
 
 class StageCachePolicy(CachePolicy):
@@ -39,6 +41,21 @@ class StageCachePolicy(CachePolicy):
             return None
         payload = json.dumps([self.stage, ENGINE_VERSION, digest], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def published_artifact_key(out_dir: Path, *identity: object) -> str | None:
+    """The cache key part of a stage whose output ``out_dir`` is a published artifact.
+
+    None (do not cache) while ``out_dir`` holds no manifest: a result cached before the artifact
+    was deleted, or before it was ever made, must not be returned. The engine's own manifest
+    check makes the first repeat cheap, and Prefect caches from there on. Else: the artifact's
+    path and manifest digest, plus ``identity`` (the inputs' identities and settings).
+    """
+    out = Path(out_dir)
+    manifest = read_manifest(out) if out.is_dir() else None
+    if manifest is None:
+        return None
+    return ":".join([str(out.absolute()), manifest.digest(), *map(str, identity)])
 
 
 def retry_unless_invalid_input(task: Any, task_run: Any, state: Any) -> bool:

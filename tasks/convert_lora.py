@@ -11,17 +11,15 @@ from prefect.logging import get_run_logger
 from ktflow.convert_lora import ConvertLoraResult, convert_lora
 from ktflow.process import ThrottledLines
 from ktflow.store import read_manifest
-from tasks._common import StageCachePolicy, retry_unless_invalid_input
+from tasks._common import StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 
 def _cache_key(inputs: dict[str, Any]) -> str | None:
     # out_dir is named by the trained adapter's manifest digest; its own manifest names what it holds.
-    out = Path(inputs["out_dir"])
-    manifest = read_manifest(out) if out.is_dir() else None
     source = read_manifest(Path(inputs["adapter_dir"]))
-    if manifest is None or source is None:
+    if source is None:
         return None
-    return f"{source.digest()}:{out.absolute()}:{manifest.digest()}:{inputs['base_dir']}"
+    return published_artifact_key(Path(inputs["out_dir"]), source.digest(), inputs["base_dir"])
 
 
 @task(name="convert-lora", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_invalid_input,

@@ -11,19 +11,11 @@ from prefect.tasks import exponential_backoff
 
 from ktflow.checkpoint import checkpoint_digest
 from ktflow.dequantize import DequantizeResult, dequantize_checkpoint
-from ktflow.store import read_manifest
-from tasks._common import ProgressReporter, StageCachePolicy, retry_unless_invalid_input
+from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 
 def _cache_key(inputs: dict[str, Any]) -> str | None:
-    # Keyed on the published artifact too: a result cached before dst was deleted must not be
-    # returned, so no key (no Prefect cache) while dst holds no manifest. The engine's own
-    # manifest check then makes the first repeat cheap, and Prefect caches from there on.
-    src, dst = Path(inputs["src"]), Path(inputs["dst"])
-    manifest = read_manifest(dst) if dst.is_dir() else None
-    if manifest is None:
-        return None
-    return f"{checkpoint_digest(src)}:{dst.resolve()}:{manifest.digest()}"
+    return published_artifact_key(Path(inputs["dst"]), checkpoint_digest(Path(inputs["src"])))
 
 
 @task(

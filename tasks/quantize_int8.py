@@ -10,17 +10,13 @@ from prefect.artifacts import create_table_artifact
 
 from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
 from ktflow.checkpoint import checkpoint_digest
-from ktflow.store import read_manifest
-from tasks._common import ProgressReporter, StageCachePolicy, retry_unless_invalid_input
+from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 
 def _cache_key(inputs: dict[str, Any]) -> str | None:
-    # out_dir is named by the BF16 input's identity and T; no key until it is published.
-    out, src = Path(inputs["out_dir"]), Path(inputs["bf16_dir"])
-    manifest = read_manifest(out) if out.is_dir() else None
-    if manifest is None:
-        return None
-    return f"{checkpoint_digest(src)}:{out.absolute()}:{manifest.digest()}:{inputs['threadpool_count']}"
+    # out_dir is named by the BF16 input's identity and T.
+    return published_artifact_key(Path(inputs["out_dir"]), checkpoint_digest(Path(inputs["bf16_dir"])),
+                                  inputs["threadpool_count"])
 
 
 @task(

@@ -13,21 +13,17 @@ from ktflow.hardware import probe_host
 from ktflow.recipe import Recipe
 from ktflow.errors import InvalidInputError
 from ktflow.sft import SftResult, TrainerProgress, locate_adapter, run_sft
-from ktflow.store import read_manifest
-from tasks._common import ProgressReporter, StageCachePolicy, retry_unless_invalid_input
+from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 
 def _cache_key(inputs: dict[str, Any]) -> str | None:
-    # The published adapter of this exact run (base digest + data digest + settings name it): no
-    # key until it exists, so Prefect never returns a result whose adapter was deleted. The data
-    # digest is over file contents, so a changed record is a new key.
-    recipe: Recipe = inputs["recipe"]
+    # The published adapter of this exact run (base digest + data digest + settings name its
+    # directory); the data digest is over file contents, so a changed record is a new key.
     try:
-        adapter = locate_adapter(recipe, Path(inputs["model_dir"]))
+        adapter = locate_adapter(inputs["recipe"], Path(inputs["model_dir"]))
     except InvalidInputError:
         return None
-    manifest = read_manifest(adapter)
-    return f"{adapter}:{manifest.digest()}" if manifest else None
+    return published_artifact_key(adapter)
 
 
 @task(
