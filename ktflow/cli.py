@@ -397,12 +397,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0 if result.adapter_applied else 1
 
 
+_API_GUARDIAN: Any = None
+
+
 def _embedded_prefect(verbose: bool) -> None:
     """Prefect's ephemeral API with state under the project: no server to start. A
     PREFECT_API_URL set by the user (a real server) wins; ktflow never overrides the environment."""
+    global _API_GUARDIAN
     os.environ.setdefault("PREFECT_HOME", str(Path(".ktflow/prefect").absolute()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    if not os.environ.get("PREFECT_API_URL") and _API_GUARDIAN is None:
+        # Prefect stops its ephemeral API server (a uvicorn subprocess) only at a clean exit: after
+        # a SIGKILL of ktflow it would live on. The server inherits this marker; the guardian stops it.
+        from ktflow.process import EMBEDDED_API_MARKER, guard_descendants
+
+        _API_GUARDIAN = guard_descendants(EMBEDDED_API_MARKER)
 
 
 def _print_stages(title: str, outcome: dict) -> None:

@@ -325,6 +325,9 @@ def run_tool(
 
 
 TOOL_MARKER = "KTFLOW_TOOL_RUN"
+# Set in our own environment while ktflow runs flows on Prefect's ephemeral API: every process
+# started from then on inherits it (Prefect's API server among them). See guard_descendants.
+EMBEDDED_API_MARKER = "KTFLOW_EMBEDDED_API"
 
 
 def reap_marked(run_id: str, marker_name: str = TOOL_MARKER) -> None:
@@ -339,6 +342,19 @@ def reap_marked(run_id: str, marker_name: str = TOOL_MARKER) -> None:
                 terminate_tree(proc.pid, 5)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+
+
+def guard_descendants(marker_name: str) -> Guardian:
+    """Stop, when this process exits however it exits, every process it starts from now on.
+
+    Puts ``marker_name=<new id>`` in our environment, so every later child inherits it (whoever
+    starts it: Prefect starts its ephemeral API server, a uvicorn subprocess, itself and stops it
+    only at a clean exit), and arms a :class:`Guardian` for that marker that is never disarmed.
+    A process meant to outlive us (a serving endpoint) must be started without the marker.
+    """
+    run_id = uuid.uuid4().hex
+    os.environ[marker_name] = run_id
+    return Guardian(marker_name, run_id)
 
 
 class ThrottledLines:

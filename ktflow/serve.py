@@ -63,7 +63,14 @@ import yaml
 from pydantic import BaseModel
 
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.process import TERMINATE_GRACE_S, Guardian, _die_with_parent, reap_marked, terminate_tree
+from ktflow.process import (
+    EMBEDDED_API_MARKER,
+    TERMINATE_GRACE_S,
+    Guardian,
+    _die_with_parent,
+    reap_marked,
+    terminate_tree,
+)
 from ktflow.recipe import Recipe
 from ktflow.store import atomic_write_bytes, atomic_write_json, read_manifest
 
@@ -408,7 +415,9 @@ def start_server(
         raise InvalidInputError("api_key", "is empty; the server would accept every request", "pass a key")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    child_env = {**env, key_env: api_key, SERVER_MARKER: run_id or uuid.uuid4().hex}
+    # A ready server outlives us: it must not carry the marker of this process's lifetime.
+    child_env = {**{k: v for k, v in env.items() if k != EMBEDDED_API_MARKER}, key_env: api_key,
+                 SERVER_MARKER: run_id or uuid.uuid4().hex}
     own_guardian = guardian is None
     if guardian is None:
         guardian = Guardian(SERVER_MARKER, child_env[SERVER_MARKER])

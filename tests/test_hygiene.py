@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from ktflow.errors import KtflowError
-from ktflow.process import TOOL_MARKER, ToolTimeout, run_tool
+from ktflow.process import EMBEDDED_API_MARKER, TOOL_MARKER, ToolTimeout, run_tool
 from ktflow.serve import SERVER_MARKER, free_port, read_endpoint, stop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 SERVE_PYTHON = REPO / ".venv-serve" / "bin" / "python"
 needs_train_env = pytest.mark.skipif(not TRAIN_PYTHON.exists(), reason="training toolchain not installed (make train-env)")
 needs_serve_env = pytest.mark.skipif(not SERVE_PYTHON.exists(), reason="serving toolchain not installed (make serve-env)")
-MARKERS = (TOOL_MARKER, SERVER_MARKER)
+MARKERS = (TOOL_MARKER, SERVER_MARKER, EMBEDDED_API_MARKER)
 KEY = "hygiene-test-key-0123456789"
 GONE_WITHIN_S = 25.0  # the guardian's grace (5 s) plus its SIGKILL round, with room on a loaded box
 
@@ -294,6 +294,29 @@ def test_ktflow_sft_interrupted_or_killed_mid_training_leaves_nothing(tmp_path: 
         assert code == 143 and "terminated" in log.read_text()
     else:
         assert code == -getattr(signal, sig)
+    assert tree.wait_gone() == []
+
+
+@needs_train_env
+@pytest.mark.slow
+def test_ktflow_run_killed_mid_pipeline_leaves_no_prefect_api_server(tmp_path: Path, fixture_dir,
+                                                                     trees: list[Tree]) -> None:
+    """`ktflow run` on Prefect's ephemeral API, SIGKILLed during SFT: Prefect's own API server (a
+    uvicorn subprocess it stops only at a clean exit) goes too, with LlamaFactory's tree."""
+    log = tmp_path / "run.log"
+    argv = _sft_argv(tmp_path, fixture_dir("bf16"))
+    argv[argv.index("sft")] = "run"
+    proc = _spawn(argv, log, {"PREFECT_HOME": str(tmp_path / "prefect")})
+    tree = Tree(proc.pid)
+    trees.append(tree)
+    _wait_for(lambda: list((tmp_path / "store" / "runs").glob("*/output/trainer_log.jsonl")),
+              "LlamaFactory's first training step", proc, log=log)
+    tree.snapshot()
+    servers = [p for p in tree.seen.values() if "uvicorn" in " ".join(p.cmdline())]
+    assert servers, f"no ephemeral API server under `ktflow run`: {[p.cmdline() for p in tree.seen.values()]}"
+    assert all(EMBEDDED_API_MARKER in p.environ() for p in servers)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
     assert tree.wait_gone() == []
 
 
