@@ -15,6 +15,9 @@ export UV_LINK_MODE := hardlink
 export UV_PYTHON_DOWNLOADS := never
 # Trust the system's certificate store, as pip does here (uv's own bundle lacks a site's proxy CA).
 export UV_NATIVE_TLS := 1
+# Compile .pyc at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (it is here), every tool
+# process would otherwise recompile torch and transformers from source at each start.
+export UV_COMPILE_BYTECODE := 1
 UV     := $(BIN)/uv pip install -q
 # pytest exit code 5 ("no tests collected") must fail CI, so it is never masked here.
 PYTEST_ARGS ?=
