@@ -9,7 +9,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check
 # The toolchains are installed with uv (pinned in the orchestrator env) so that the one torch 2.9.1
 # CUDA stack they share (~6.5 GB of nvidia-*/triton/torch) is stored once: uv hardlinks every file from
 # its cache, which lives in the checkout so cache and venvs are on one filesystem. With pip each venv
-# had its own copy: 22 GB for the three toolchains instead of 8.5 GB.
+# had its own copy: 22 GB for the three toolchains instead of 9.5 GB.
 export UV_CACHE_DIR ?= $(CURDIR)/.cache/uv
 export UV_LINK_MODE := hardlink
 export UV_PYTHON_DOWNLOADS := never
