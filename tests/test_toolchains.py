@@ -21,13 +21,17 @@ CONSTRAINTS = {"train": "train.txt", "serve": "serve.txt", "kt-train": "kt-train
 _STACK = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[a-z0-9-]+)$")
 
 
+def _normalize(package: str) -> str:
+    return re.sub(r"[-_.]+", "-", package).lower()  # PEP 503
+
+
 def _pins(name: str) -> dict[str, str]:
     pins: dict[str, str] = {}
     for line in (REPO / "constraints" / name).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if "==" in line:
             package, version = line.split("==", 1)
-            pins[re.sub(r"[-_.]+", "-", package).lower()] = version
+            pins[_normalize(package)] = version
     return pins
 
 
@@ -51,10 +55,8 @@ def test_pyproject_extras_agree_with_the_constraints() -> None:
         pins = _pins(constraints)
         for requirement in extras[env]:
             package, _, version = requirement.partition("==")
-            package = re.sub(r"\[.*\]", "", package)
-            assert pins.get(re.sub(r"[-_.]+", "-", package).lower()) == version, (
-                f"pyproject [{env}] says {requirement}, constraints/{constraints} pins "
-                f"{pins.get(package.lower())}")
+            pinned = pins.get(_normalize(re.sub(r"\[.*\]", "", package)))
+            assert pinned == version, f"pyproject [{env}] says {requirement}, constraints/{constraints} pins {pinned}"
 
 
 @pytest.mark.parametrize("venv", [".venv-train", ".venv-kt-train"])
