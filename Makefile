@@ -1,6 +1,15 @@
 # The two commands: `make demo` and `make test`. Each creates what it needs (idempotent:
 # a second run reuses the environments) and then runs.
 
+# Every path below is relative to the checkout: `make -f path/to/Makefile demo` from any other
+# directory re-runs make there.
+ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+ifneq ($(CURDIR),$(ROOT))
+.PHONY: $(or $(MAKECMDGOALS),env)
+$(or $(MAKECMDGOALS),env):
+	@$(MAKE) --no-print-directory -C $(ROOT) $(MAKECMDGOALS)
+else
+
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -116,3 +125,5 @@ lock-kt-train: $(STAMP)
 
 clean-env:
 	rm -rf $(VENV) $(TRAIN_VENV) $(SERVE_VENV) $(KT_VENV) $(UV_CACHE_DIR)
+
+endif

@@ -34,7 +34,8 @@ from ktflow.errors import InvalidInputError, KtflowError
 from ktflow.evaluate import load_eval_records
 from ktflow.pools import pool_for_stage
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
-from ktflow.stages import StageName, plan_stages
+from ktflow.hardware import HostInfo, probe_host
+from ktflow.stages import StageName, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.store import read_manifest
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
@@ -42,8 +43,13 @@ from flows.stages import STAGE_FLOWS, STAGE_TASKS
 StageCall = Callable[..., Any]
 
 
-def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = None) -> dict[str, Any]:
+def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = None,
+                 host: HostInfo | None = None) -> dict[str, Any]:
     """Every stage ``recipe`` needs, in order; ``call(stage, **parameters)`` runs one stage.
+
+    ``host``: the one host every stage runs on (the embedded run); a stage that only prepares
+    an artifact for another host is then skipped up front when this host lacks its kernels, as
+    ``ktflow doctor`` says. A distributed run (no ``host``) lets the stage's own host decide.
 
     The dataset (and the evaluation set) are validated first: a bad record fails the run in
     seconds, not after a download and a dequantize.
@@ -51,13 +57,14 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     validate_dataset(recipe.dataset)
     if recipe.evaluation.enabled:
         load_eval_records(recipe.evaluation)
-    plans = {p.stage: p for p in plan_stages(recipe)}
+    plans = {p.stage: p for p in plan_stages(recipe, host)}
     store = recipe.store.root
     rows: list[dict[str, Any]] = []
 
-    def record(stage: str, result: str) -> None:
-        rows.append({"stage": stage, "runs": "yes" if plans[stage].needed else "skipped",
-                     "why": plans[stage].reason, "result": result})
+    def record(stage: str, result: str, skipped: StageSkipped | None = None) -> None:
+        runs = plans[stage].needed and skipped is None
+        rows.append({"stage": stage, "runs": "yes" if runs else "skipped",
+                     "why": skipped.reason if skipped else plans[stage].reason, "result": result})
 
     source = call("download", source=recipe.source, store_root=str(store), hf_token_block=hf_token_block)
     record("download", str(source.path) + (" (cached)" if source.cached else ""))
@@ -84,8 +91,12 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
         t = int8_threadpool_count(recipe)
         base = bf16_dir or source.path
         int8 = call("quantize-int8", bf16_dir=str(base), out_dir=str(int8_dir_for(recipe, base)), threadpool_count=t,
-                    serve_python=str(recipe.toolchains.serve.python), workers=recipe.conversion.workers)
-        record("quantize-int8", f"{int8.path} (T={t})")
+                    serve_python=str(recipe.toolchains.serve.python), workers=recipe.conversion.workers,
+                    skip_without_kernels="quantize-int8" in prepared_for_another_host(recipe))
+        if isinstance(int8, StageSkipped):
+            record("quantize-int8", "-", skipped=int8)
+        else:
+            record("quantize-int8", f"{int8.path} (T={t})" + (" (cached)" if int8.cached else ""))
     else:
         record("quantize-int8", "-")
 
@@ -114,7 +125,7 @@ def _call_task(stage: StageName, **parameters: Any) -> Any:
 @flow(name="ktflow-pipeline")
 def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any]:
     """Fine-tune and serve ``recipe`` in this process: every stage it needs, in order."""
-    return run_pipeline(recipe, _call_task, hf_token_block)
+    return run_pipeline(recipe, _call_task, hf_token_block, host=probe_host(recipe.store.root))
 
 
 # --------------------------------------------------------------------------- distributed

@@ -33,7 +33,7 @@ from ktflow.quantize_int8 import QuantizeInt8Result
 from ktflow.recipe import Recipe, SourceConfig
 from ktflow.serve import Endpoint
 from ktflow.sft import SftResult
-from ktflow.stages import StageName, check_requirement, host_requirements
+from ktflow.stages import StageName, StageSkipped, check_requirement, host_requirements
 from ktflow.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
 from tasks.convert_lora import convert_lora_task
 from tasks.dequantize import dequantize_task
@@ -133,9 +133,11 @@ def convert_lora_stage(adapter_dir: str, out_dir: str, base_dir: str, serve_pyth
 
 @flow(name="ktflow-quantize-int8", persist_result=True)
 def quantize_int8_stage(bf16_dir: str, out_dir: str, threadpool_count: int, serve_python: str,
-                        workers: int | None = None) -> QuantizeInt8Result:
+                        workers: int | None = None, skip_without_kernels: bool = False
+                        ) -> QuantizeInt8Result | StageSkipped:
     _enter_stage("quantize-int8", None)
-    return quantize_int8_task(bf16_dir, out_dir, threadpool_count, host_serve_python(serve_python), workers)
+    return quantize_int8_task(bf16_dir, out_dir, threadpool_count, host_serve_python(serve_python), workers,
+                              skip_without_kernels)
 
 
 @flow(name="ktflow-serve", persist_result=True)

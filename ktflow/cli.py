@@ -41,10 +41,22 @@ def _human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def project_dir_of(recipe_file: Path) -> Path:
+    """Where a recipe's relative paths point: the folder holding its ``recipes/`` folder (a ktflow
+    checkout or a copy of its layout), else the recipe's own folder."""
+    folder = recipe_file.absolute().parent
+    return folder.parent if folder.name == "recipes" else folder
+
+
 def _load(args: argparse.Namespace):
+    """Load the command's recipe and work in its project directory from here on, so that its
+    relative paths (store, toolchains, data) mean the same from any working directory."""
     from ktflow.recipe import load_recipe
 
-    return load_recipe(args.recipe, args.set or ())
+    recipe_file = Path(args.recipe).absolute()
+    if recipe_file.is_file():
+        os.chdir(project_dir_of(recipe_file))
+    return load_recipe(recipe_file, args.set or ())
 
 
 # --------------------------------------------------------------------------- commands
@@ -393,7 +405,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                     log=lambda line: err.print(line, markup=False, highlight=False))
     out.print(result.table, markup=False)
     out.print(f"adapter applied: {'yes' if result.adapter_applied else 'NO'}; promoted: "
-              f"{'yes' if result.promoted else 'no'}; report: {result.report_md}")
+              f"{'yes' if result.promoted else 'no'} (on {result.gate_metric}); report: {result.report_md}")
+    failure = result.gate_failure(recipe.evaluation.gate_min_gain)
+    if failure:
+        from ktflow.errors import PromotionGateError
+
+        raise PromotionGateError(failure)
     return 0 if result.adapter_applied else 1
 
 
@@ -402,11 +419,25 @@ _API_GUARDIAN: Any = None
 
 def _embedded_prefect(verbose: bool) -> None:
     """Prefect's ephemeral API with state under the project: no server to start. A
-    PREFECT_API_URL set by the user (a real server) wins; ktflow never overrides the environment."""
+    PREFECT_API_URL set by the user (a real server) wins; ktflow never overrides the environment.
+
+    Prefect's own console lines (state changes, and a traceback for every failed task and flow)
+    are shown with ``--verbose`` only: without it a failed run ends in one ``error:`` line. Its
+    logs still reach the API at INFO, so the UI shows every task's log.
+    """
     global _API_GUARDIAN
-    os.environ.setdefault("PREFECT_HOME", str(Path(".ktflow/prefect").absolute()))
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(".ktflow/prefect").absolute())))
+    try:
+        home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
+    except OSError as exc:
+        from ktflow.errors import HostRequirementError
+
+        raise HostRequirementError(f"PREFECT_HOME {home}", f"cannot be created ({exc.strerror}).",
+                                   "run from a writable checkout, or set PREFECT_HOME to a writable directory") from None
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
     if not os.environ.get("PREFECT_API_URL") and _API_GUARDIAN is None:
         # Prefect stops its ephemeral API server (a uvicorn subprocess) only at a clean exit: after
         # a SIGKILL of ktflow it would live on. The server inherits this marker; the guardian stops it.
@@ -445,17 +476,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The pipeline flow on the CPU demo: a tiny model and dataset made locally, every stage for real."""
     import time
 
-    from ktflow.demo import write_demo_dataset
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.demo import DEMO_MODEL, write_demo_dataset
+    from ktflow.fixtures import make_fixture
     from ktflow.recipe import load_recipe
     from ktflow.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, read_endpoint, smoke_test
 
+    os.chdir(_demo_checkout())
     recipe = load_recipe(DEMO_RECIPE)
     source = recipe.source.local_path
     assert source is not None, "the demo recipe uses a local source"
     if not (source / "config.json").exists():
         err.print(f"[bold]fixture[/]: making the tiny Kimi-K2.5-format checkpoint in {source}")
-        make_fixture(FixtureSpec(kind="kimi-k2.5"), source)
+        make_fixture(DEMO_MODEL, source)
     write_demo_dataset(Path(recipe.dataset.files[0]).parent)
     _embedded_prefect(args.verbose)
     from flows.pipeline import pipeline
@@ -472,13 +504,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     key = api_key_for(endpoint)
     assert key is not None
     answer = smoke_test(endpoint.url, key, adapter_model_name(recipe))
-    out.print(f"endpoint {endpoint.url}, model {adapter_model_name(recipe)}: the answer to {SMOKE_PROMPT!r} is "
-              f"{answer['content']!r} (a tiny random model: noise)")
+    out.print(f"endpoint {endpoint.url}, model {adapter_model_name(recipe)}: asked {SMOKE_PROMPT!r}, it answers "
+              f"{answer['content']!r}")
     report = Path(outcome["evaluation"]) if "evaluation" in outcome else None
     if report is not None and report.is_file():
+        _print_side_by_side(report.with_name("report.json"))
         out.print(report.read_text(encoding="utf-8"), markup=False)
     out.print(f"The endpoint keeps running (a rerun is all cache hits); stop it with: ktflow serve {DEMO_RECIPE} --stop")
     return 0
+
+
+def _demo_checkout() -> Path:
+    """The checkout the demo runs in: this directory if it has the demo recipe, else
+    ``$KTFLOW_CHECKOUT``, else the checkout this ktflow is installed from (``pip install -e``)."""
+    candidates = [Path.cwd()]
+    if os.environ.get("KTFLOW_CHECKOUT"):
+        candidates.append(Path(os.environ["KTFLOW_CHECKOUT"]))
+    candidates.append(Path(__file__).resolve().parent.parent)
+    for candidate in candidates:
+        if (candidate / DEMO_RECIPE).is_file():
+            return candidate
+    from ktflow.errors import InvalidInputError
+
+    raise InvalidInputError(str(DEMO_RECIPE), "was found neither here nor in $KTFLOW_CHECKOUT nor beside ktflow.",
+                            "run `make demo` (or `ktflow demo`) in a ktflow checkout, or set KTFLOW_CHECKOUT to one")
+
+
+def _print_side_by_side(report_json: Path) -> None:
+    """One held-out prompt: the reference answer, the base model's and the tuned model's."""
+    report = json.loads(report_json.read_text(encoding="utf-8"))
+    base, tuned = report["base"]["predictions"][0], report["tuned"]["predictions"][0]
+    table = Table(title=f"one held-out prompt: {base['prompt']!r}", show_lines=True)
+    for column in ("expected (training data's style)", "base model", "tuned model"):
+        table.add_column(column, overflow="fold")
+    table.add_row(base["reference"], base["prediction"], tuned["prediction"])
+    out.print(table)
 
 
 # --------------------------------------------------------------------------- parser

@@ -10,7 +10,11 @@ import json
 import random
 from pathlib import Path
 
+from ktflow.fixtures import FixtureSpec
 from ktflow.store import atomic_write_bytes
+
+DEMO_MODEL = FixtureSpec(kind="kimi-k2.5", lm_head_std=0.2)
+"""The demo's tiny Kimi-K2.5-format checkpoint: random, with an lm_head LoRA can steer (see FixtureSpec)."""
 
 _TOPICS = [
     ("What is a mixture of experts?", "Many small expert networks; a router picks a few per token"),

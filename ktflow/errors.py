@@ -55,3 +55,11 @@ class AdapterError(InvalidInputError):
 class HostRequirementError(InvalidInputError):
     """This host lacks something a stage needs (CPU ISA, GPUs, RAM, disk, toolchain)."""
 
+
+
+class NoWorkerError(HostRequirementError):
+    """A stage was dispatched to a work pool that no live worker serves."""
+
+
+class PromotionGateError(KtflowError):
+    """The tuned model did not gain what the recipe's promotion gate asks over the base model."""

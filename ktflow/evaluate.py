@@ -280,8 +280,9 @@ def compare_reports(base: EvalReport, tuned: EvalReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def promotion_gate(base: EvalReport, tuned: EvalReport, metric: str, *, tolerance: float = 0.0) -> bool:
-    """True when ``tuned`` does not regress on ``metric`` (tuned >= base - tolerance).
+def promotion_gate(base: EvalReport, tuned: EvalReport, metric: str, *, min_gain: float = 0.0,
+                   tolerance: float = 0.0) -> bool:
+    """True when ``tuned`` gains at least ``min_gain`` on ``metric`` (tuned >= base + min_gain - tolerance).
 
     Raises:
         KtflowError: a report lacks the metric.
@@ -289,7 +290,7 @@ def promotion_gate(base: EvalReport, tuned: EvalReport, metric: str, *, toleranc
     for label, report in (("base", base), ("tuned", tuned)):
         if metric not in report.metrics:
             raise KtflowError(f"the {label} report has no metric {metric!r} (it has {', '.join(report.metrics)})")
-    return tuned.metrics[metric] >= base.metrics[metric] - tolerance
+    return tuned.metrics[metric] >= base.metrics[metric] + min_gain - tolerance
 
 
 def adapter_is_applied(
@@ -335,10 +336,21 @@ class EvaluationResult(BaseModel):
     table: str
     adapter_applied: bool
     probes: list[dict[str, Any]]
-    gate_metric: str | None
-    promoted: bool  # adapter applied and the gate metric (if any) did not regress
+    gate_metric: str  # the metric promotion was judged on
+    gate_enforced: bool  # the recipe set gate_metric: a tuned model that is not promoted fails the run
+    promoted: bool  # adapter applied and the tuned model gained at least gate_min_gain on gate_metric
     report_json: Path
     report_md: Path
+
+    def gate_failure(self, min_gain: float) -> str | None:
+        """Why an enforced gate failed (None: it passed or is not enforced)."""
+        if not self.gate_enforced or self.promoted:
+            return None
+        b, t = self.base.metrics[self.gate_metric], self.tuned.metrics[self.gate_metric]
+        if not self.adapter_applied:
+            return "the tuned model answers exactly like the base model: the adapter is not applied"
+        return (f"the tuned model's {self.gate_metric} is {t:.2f} against the base's {b:.2f} ({t - b:+.2f} points); "
+                f"the promotion gate asks for at least {min_gain:+.2f}")
 
 
 def evaluate_base_vs_tuned(
@@ -401,18 +413,23 @@ def evaluate_base_vs_tuned(
         if started_here:
             serving.stop(base_dir)
     table = compare_reports(base, tuned)
-    gate = cfg.gate_metric
-    promoted = applied and (gate is None or promotion_gate(base, tuned, gate))
+    # Promotion is always judged (never "promoted" while worse than the base); only a recipe
+    # that sets gate_metric makes a failed gate fail the run.
+    gate, enforced = cfg.gate, cfg.gate_metric is not None
+    promoted = applied and promotion_gate(base, tuned, gate, min_gain=cfg.gate_min_gain)
+    need = f"gain at least {cfg.gate_min_gain:.2f} points" if cfg.gate_min_gain else "not regress"
     md = [f"### Evaluation: {recipe.name}", "", f"{len(records)} held-out records, temperature {cfg.temperature}, "
           f"max_tokens {cfg.max_tokens}", "", table,
           f"Adapter applied: **{'yes' if applied else 'NO'}** ({sum(p['differs'] for p in probes)} of "
-          f"{len(probes)} probe prompts answered differently from the base at temperature 0)", ""]
-    if gate is not None:
-        md.append(f"Gate ({gate} must not regress): **{'pass' if promoted else 'fail'}**")
+          f"{len(probes)} probe prompts answered differently from the base at temperature 0)", "",
+          f"Promotion gate ({gate} must {need}{'' if enforced else '; reported only'}): "
+          f"**{'pass' if promoted else 'fail'}**"]
     report_json, report_md = out_dir / "report.json", out_dir / "report.md"
     atomic_write_json(report_json, {"base": base.model_dump(mode="json"), "tuned": tuned.model_dump(mode="json"),
                                     "adapter_applied": applied, "probes": probes, "gate_metric": gate,
+                                    "gate_enforced": enforced, "gate_min_gain": cfg.gate_min_gain,
                                     "promoted": promoted})
     atomic_write_bytes(report_md, ("\n".join(md) + "\n").encode())
     return EvaluationResult(base=base, tuned=tuned, table=table, adapter_applied=applied, probes=probes,
-                            gate_metric=gate, promoted=promoted, report_json=report_json, report_md=report_md)
+                            gate_metric=gate, gate_enforced=enforced, promoted=promoted, report_json=report_json,
+                            report_md=report_md)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from safetensors.torch import save_file
 
 from ktflow.errors import InvalidInputError
@@ -96,6 +96,10 @@ class FixtureSpec(BaseModel):
     hidden: int = 256
     moe_intermediate: int = 128
     seed: int = 0
+    lm_head_std: float | None = Field(
+        None, gt=0, description="Init std of lm_head (None: the model's own, 0.02). At 0.02 no token can get a "
+        "clear margin on a random model, and LoRA cannot fix that without lm_head in its targets, which makes "
+        "PEFT save lm_head whole (SGLang ignores it): a model meant to be taught, like the demo's, uses 0.2.")
 
     @field_validator("kind", mode="before")
     @classmethod
@@ -293,6 +297,8 @@ def _bf16_model(
             f"model.layers.{layer}.mlp.gate.e_score_correction_bias": 0.01 * torch.randn(spec.experts)
             for layer in range(1, spec.layers)
         }
+        if spec.lm_head_std is not None:
+            torch.nn.init.normal_(model.lm_head.weight, std=spec.lm_head_std)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a tiny model needs no "Writing model shards" bar

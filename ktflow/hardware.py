@@ -27,6 +27,8 @@ VARIANT_ORDER: tuple[str, ...] = (
 """kt-kernel's build variants, best first (``"none"`` is ktflow's word for "below avx2")."""
 
 CPU_VARIANT_ENV = "KT_KERNEL_CPU_VARIANT"
+CPUINFO_ENV = "KTFLOW_CPUINFO"
+"""A file read instead of ``/proc/cpuinfo``: probes a CPU this machine does not have (tests)."""
 
 # Copied from kt-kernel 0.7.2 kt_kernel/_cpu_detect.py; first match wins.
 _AVX512_BF16 = ("avx512f", "avx512bw", "avx512_vnni", "avx512_vbmi", "avx512_bf16")
@@ -68,6 +70,8 @@ class HostInfo(BaseModel):
     cpu_flags: list[str]
     cpu_variant: CpuVariant
     cpu_variant_overridden: bool
+    native_cpu_variant: CpuVariant | None = None
+    """The variant the CPU's own flags give (None: not probed, taken as ``cpu_variant``)."""
     logical_cores: int
     physical_cores: int
     numa_nodes: int
@@ -79,6 +83,25 @@ class HostInfo(BaseModel):
     disk_free_bytes: int
     shm_bytes: int
     shm_free_bytes: int
+
+    @property
+    def runnable_variant(self) -> CpuVariant:
+        """The best kt-kernel variant whose kernels really run here.
+
+        ``cpu_variant`` is what kt-kernel loads (``KT_KERNEL_CPU_VARIANT`` wins) and what a worker
+        advertises to the pools; an override above what the CPU's flags allow would make kt-kernel
+        die on an illegal instruction, and one below them limits kt-kernel to that build. So the
+        kernels that run are those of the lower of the two.
+        """
+        native = self.native_cpu_variant or self.cpu_variant
+        return native if variant_at_least(self.cpu_variant, native) else self.cpu_variant
+
+    def describe_cpu(self) -> str:
+        """``AMD EPYC, kt-kernel variant avx2``, with an override and the CPU's own variant if they differ."""
+        text = f"{self.cpu_model}, kt-kernel variant {self.runnable_variant}"
+        if self.cpu_variant_overridden and self.native_cpu_variant not in (None, self.cpu_variant):
+            text += f" ({CPU_VARIANT_ENV}={self.cpu_variant}; its flags allow {self.native_cpu_variant})"
+        return text
 
 
 def _variant_override(env: Mapping[str, str] | None) -> CpuVariant | None:
@@ -250,7 +273,7 @@ def probe_host(store_path: str | os.PathLike[str] | None = None) -> HostInfo:
             directory, which ``HostInfo.disk_path`` names. Defaults to the current directory.
     """
     try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
+        cpuinfo = Path(os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo").read_text()
     except OSError:  # not Linux
         cpuinfo = ""
     model, flags, physical = parse_cpuinfo(cpuinfo)
@@ -271,6 +294,7 @@ def probe_host(store_path: str | os.PathLike[str] | None = None) -> HostInfo:
         cpu_flags=flags,
         cpu_variant=detect_cpu_variant(flags),
         cpu_variant_overridden=_variant_override(None) is not None,
+        native_cpu_variant=detect_cpu_variant(flags, env={}),
         logical_cores=logical,
         physical_cores=physical,
         numa_nodes=len(numa),

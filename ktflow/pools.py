@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from ktflow.errors import HostRequirementError
 from ktflow.hardware import CpuVariant, HostInfo, variant_at_least
-from ktflow.stages import STAGE_ORDER, StageName
+from ktflow.stages import INT8_KERNELS, STAGE_ORDER, StageName
 
 
 class WorkPoolSpec(BaseModel):
@@ -50,8 +50,8 @@ WORK_POOLS: tuple[WorkPoolSpec, ...] = (
     WorkPoolSpec(
         name="avx512-serve",
         role="serving host: adapter conversion, CPU INT8 quantization, SGLang, evaluation",
-        min_cpu_variant="avx512_vnni",
-        cpu_reason="kt-kernel's INT8 MoE kernels need AVX512-VNNI or AMX",
+        min_cpu_variant=INT8_KERNELS.min_cpu_variant,
+        cpu_reason=INT8_KERNELS.cpu_reason,
         stages=("convert-lora", "quantize-int8", "serve", "evaluate"),
     ),
 )

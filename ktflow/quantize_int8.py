@@ -54,7 +54,8 @@ from pydantic import BaseModel
 from ktflow._drivers import kt_int8 as driver
 from ktflow.checkpoint import CONFIG_NAME, INDEX_NAME, checkpoint_identity, identity_digest, inspect_checkpoint, read_weight_map
 from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.hardware import probe_host, variant_at_least
+from ktflow.hardware import probe_host
+from ktflow.stages import INT8_KERNELS, check_requirement
 from ktflow.process import ToolError, run_tool
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.store import (
@@ -305,7 +306,7 @@ def quantize_int8(
     Raises:
         InvalidInputError: not a BF16 checkpoint (run dequantize first), misaligned T, bad arguments.
         CheckpointError: the checkpoint is malformed or not a DeepSeek-V3-style MoE.
-        HostRequirementError: CPU without AVX512, no serving toolchain, too little RAM, scratch or disk,
+        HostRequirementError: CPU without kt-kernel's INT8 kernels, no serving toolchain, too little RAM, scratch or disk,
             or OUT_DIR's directory is not writable (all before any work).
         StorageError: the disk filled up (or became read-only) mid-run; complete layers stay in
             staging for the rerun, nothing is published.
@@ -383,10 +384,11 @@ def quantize_int8(
 
     # ---- host: CPU, RAM, scratch, disk
     host = probe_host(_existing_dir(out_dir.parent))
-    if not variant_at_least(host.cpu_variant, "avx512_base"):
-        raise HostRequirementError("cpu", f"kt-kernel's AMXINT8 kernels need AVX512F + AVX512BW; this CPU "
-                                          f"({host.cpu_model}) loads the '{host.cpu_variant}' variant.",
-                                   "quantize on an AVX512 host (the output is portable to any AVX512/AMX server)")
+    missing = check_requirement(INT8_KERNELS, host)
+    if missing:
+        raise HostRequirementError("cpu", "; ".join(missing) + ".",
+                                   "quantize on an AVX512 or AMX host (the output is portable to any AVX512/AMX "
+                                   "server); `ktflow doctor` says what this host can run")
 
     experts, hidden, inter = info.num_routed_experts, info.hidden_size, info.moe_intermediate_size
     bf16_layer, int8_layer = _layer_bytes(experts, hidden, inter, t)

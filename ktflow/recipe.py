@@ -429,7 +429,13 @@ class EvaluationConfig(_Strict):
     max_tokens: int = Field(256, gt=0)
     concurrency: int = Field(4, ge=1, le=256)
     gate_metric: Literal["bleu-4", "rouge-l", "accuracy"] | None = Field(
-        None, description="Promote the new adapter only if this metric does not regress"
+        None, description="The promotion gate: a tuned model that does not gain gate_min_gain points on this "
+        "metric over the base fails the run. Unset: the gate is only reported, on rouge-l (accuracy for "
+        "multiple_choice), and never fails the run"
+    )
+    gate_min_gain: float = Field(
+        0.0, ge=0.0, le=100.0, description="Points (0-100 scale) the tuned model must gain over the base on the "
+        "gate metric to be promoted (0: it must not regress)"
     )
 
     @model_validator(mode="after")
@@ -439,6 +445,11 @@ class EvaluationConfig(_Strict):
         if self.gate_metric == "accuracy" and self.task != "multiple_choice":
             raise ValueError("@gate_metric: 'accuracy' needs task: multiple_choice")
         return self
+
+    @property
+    def gate(self) -> str:
+        """The metric promotion is judged on: ``gate_metric``, else the task's main metric."""
+        return self.gate_metric or ("accuracy" if self.task == "multiple_choice" else "rouge-l")
 
 
 class ConversionConfig(_Strict):

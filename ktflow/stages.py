@@ -44,6 +44,23 @@ class HostRequirement(BaseModel):
     threads_field: str = ""
 
 
+class StageSkipped(BaseModel):
+    """What a stage returns when the host that picked it up leaves it to another (and why)."""
+
+    stage: StageName
+    reason: str
+
+
+INT8_KERNELS = HostRequirement(
+    stage="quantize-int8",
+    # Checked with kt-kernel 0.7.2: its avx512_base build quantizes and runs AMXINT8 within the
+    # verification bound (VNNI and AMX builds are faster); its avx2 build has no INT8 MoE class.
+    min_cpu_variant="avx512_base",
+    cpu_reason="kt-kernel's INT8 MoE kernels (AMXINT8) need AVX512F + AVX512BW; its avx2 build has none",
+)
+"""What running kt-kernel's INT8 MoE kernels (quantize-int8, AMXINT8 serving) needs of a host."""
+
+
 class StageCheck(BaseModel):
     """A stage's plan and whether this host can run it."""
 
@@ -54,8 +71,45 @@ class StageCheck(BaseModel):
     missing: list[str]
 
 
-def plan_stages(recipe: Recipe) -> list[StagePlan]:
-    """Derive the stages a recipe runs, in order, each with the reason it runs or is skipped."""
+def plan_stages(recipe: Recipe, host: HostInfo | None = None) -> list[StagePlan]:
+    """Derive the stages a recipe runs, in order, each with the reason it runs or is skipped.
+
+    With ``host`` (a run where every stage runs on that host), a stage that only prepares an
+    artifact for another host (:func:`prepared_for_another_host`) and whose kernels this host
+    lacks is skipped, with what it needs, what this CPU has and where it runs instead.
+    """
+    plans = _plan(recipe)
+    if host is not None:
+        for plan in plans:
+            if plan.needed and plan.stage in prepared_for_another_host(recipe):
+                missing = check_requirement(host_requirements(recipe)[plan.stage], host)
+                if missing:
+                    plan.needed, plan.reason = False, deferral_reason(plan.stage, missing)
+    return plans
+
+
+def prepared_for_another_host(recipe: Recipe) -> set[StageName]:
+    """Stages whose output no later stage of this recipe's run reads.
+
+    Only INT8 weights made for a later SGLang host (``conversion.int8: always`` while this
+    recipe serves another way) qualify: a host without the kernels can leave them to one with.
+    """
+    if recipe.conversion.int8 == "always" and recipe.serving.kt_method != "AMXINT8":
+        return {"quantize-int8"}
+    return set()
+
+
+def deferral_reason(stage: StageName, missing: list[str]) -> str:
+    """Why ``stage`` is skipped on this host, and where it runs instead."""
+    from ktflow.pools import pool_for_stage
+
+    pool = pool_for_stage(stage).name
+    return (f"skipped on this host: {'; '.join(missing)}. No later stage of this run reads its output; it runs on "
+            f"a host of pool {pool} (start one there with `ktflow worker --pool {pool}`), or run `ktflow {stage}` "
+            "on such a host")
+
+
+def _plan(recipe: Recipe) -> list[StagePlan]:
     source = recipe.source
     fmt = source.format
     plans: list[StagePlan] = []
@@ -131,16 +185,12 @@ def host_requirements(recipe: Recipe) -> dict[StageName, HostRequirement]:
     else:
         reqs["sft"] = HostRequirement(stage="sft", min_gpus=sft.gpus)
 
-    int8_cpu = "avx512_vnni"
-    int8_reason = "kt-kernel's INT8 MoE kernels need AVX512-VNNI or AMX"
     if needs_int8_weights(recipe):
-        reqs["quantize-int8"] = HostRequirement(
-            stage="quantize-int8", min_cpu_variant=int8_cpu, cpu_reason=int8_reason
-        )
+        reqs["quantize-int8"] = INT8_KERNELS
     if serving.backend == "sglang":
         cpu, reason = None, ""
         if serving.kt_method == "AMXINT8":
-            cpu, reason = int8_cpu, int8_reason
+            cpu, reason = INT8_KERNELS.min_cpu_variant, INT8_KERNELS.cpu_reason
         elif serving.kt_method == "FP8":
             cpu, reason = "avx512_bf16", "native FP8 experts need AVX512F+BF16+VNNI+VBMI"
         reqs["serve"] = HostRequirement(
@@ -157,10 +207,10 @@ def host_requirements(recipe: Recipe) -> dict[StageName, HostRequirement]:
 def check_requirement(req: HostRequirement, host: HostInfo) -> list[str]:
     """What this host lacks for a stage, as sentences a user can act on (empty: runnable)."""
     missing: list[str] = []
-    if req.min_cpu_variant and not variant_at_least(host.cpu_variant, req.min_cpu_variant):
+    if req.min_cpu_variant and not variant_at_least(host.runnable_variant, req.min_cpu_variant):
         missing.append(
             f"{req.stage} needs a {req.min_cpu_variant} CPU or better ({req.cpu_reason}); "
-            f"this CPU is {host.cpu_variant}"
+            f"this CPU is {host.describe_cpu()}"
         )
     if req.min_gpus > len(host.gpus):
         missing.append(f"{req.stage} needs {req.min_gpus} GPU(s); this host has {len(host.gpus)}")
@@ -176,7 +226,7 @@ def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:
     """The doctor's table: every stage of the recipe, whether it runs, and whether it can run here."""
     reqs = host_requirements(recipe)
     checks = []
-    for plan in plan_stages(recipe):
+    for plan in plan_stages(recipe, host):
         missing = check_requirement(reqs[plan.stage], host) if plan.needed else []
         checks.append(
             StageCheck(

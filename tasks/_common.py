@@ -15,7 +15,7 @@ from prefect.context import TaskRunContext
 from prefect.logging import get_run_logger
 
 from ktflow import ENGINE_VERSION
-from ktflow.errors import InvalidInputError
+from ktflow.errors import InvalidInputError, PromotionGateError
 from ktflow.store import read_manifest
 
 
@@ -59,10 +59,10 @@ def published_artifact_key(out_dir: Path, *identity: object) -> str | None:
 
 
 def retry_unless_invalid_input(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry transient failures only: bad input fails the same way every time."""
+    """Retry transient failures only: bad input (or a failed promotion gate) fails the same way every time."""
     try:
         state.result()
-    except InvalidInputError:
+    except (InvalidInputError, PromotionGateError):
         return False
     except Exception:
         return True

@@ -8,8 +8,10 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
 from ktflow.checkpoint import checkpoint_digest
+from ktflow.hardware import probe_host
+from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
+from ktflow.stages import INT8_KERNELS, StageSkipped, check_requirement, deferral_reason
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 
@@ -29,8 +31,18 @@ def _cache_key(inputs: dict[str, Any]) -> str | None:
     retry_condition_fn=retry_unless_invalid_input,
 )
 def quantize_int8_task(bf16_dir: str, out_dir: str, threadpool_count: int, serve_python: str,
-                       workers: int | None = None) -> QuantizeInt8Result:
-    """BF16 routed experts -> kt-kernel AMXINT8 CPU weights, verified by kt-kernel's own forward."""
+                       workers: int | None = None, skip_without_kernels: bool = False
+                       ) -> QuantizeInt8Result | StageSkipped:
+    """BF16 routed experts -> kt-kernel AMXINT8 CPU weights, verified by kt-kernel's own forward.
+
+    ``skip_without_kernels``: no later stage of the run reads the weights (they are made for a
+    later SGLang host), so a host without kt-kernel's INT8 kernels skips the stage with the
+    reason instead of failing the run.
+    """
+    if skip_without_kernels:
+        missing = check_requirement(INT8_KERNELS, probe_host(Path(out_dir).parent))
+        if missing:
+            return StageSkipped(stage="quantize-int8", reason=deferral_reason("quantize-int8", missing))
     progress = ProgressReporter("quantize-int8-progress", f"AMXINT8 T={threadpool_count}", unit="layers")
     result = quantize_int8(Path(bf16_dir), Path(out_dir), threadpool_count=threadpool_count,
                            serve_python=Path(serve_python), workers=workers, progress=progress)

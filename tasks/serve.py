@@ -11,10 +11,11 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
+from ktflow.errors import PromotionGateError
 from ktflow.evaluate import EvaluationResult, evaluate_base_vs_tuned
 from ktflow.process import ThrottledLines
 from ktflow.recipe import Recipe
-from tasks._common import StageCachePolicy
+from tasks._common import StageCachePolicy, retry_unless_invalid_input
 from ktflow.serve import Endpoint, adapter_model_name, api_key_for, is_alive, read_endpoint, serve, stop
 
 
@@ -52,7 +53,7 @@ def _evaluation_key(inputs: dict[str, Any]) -> str | None:
                        endpoint.pid, endpoint.started_at, endpoint.adapter_manifest_digest], sort_keys=True)
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=10,
+@task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_invalid_input,
       cache_policy=StageCachePolicy("evaluate", _evaluation_key), cache_result_in_memory=False)
 def evaluate_task(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> EvaluationResult:
     """Base vs tuned through the OpenAI API; fails if the adapter is not applied."""
@@ -69,4 +70,7 @@ def evaluate_task(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> Evaluat
         from ktflow.errors import KtflowError
 
         raise KtflowError("the tuned endpoint answers exactly like the base model: the adapter is not applied")
+    failure = result.gate_failure(recipe.evaluation.gate_min_gain)
+    if failure:
+        raise PromotionGateError(f"{failure}; report: {result.report_md}")
     return result

@@ -22,9 +22,43 @@ if "HF_MODULES_CACHE" not in os.environ:
     os.environ["HF_MODULES_CACHE"] = _modules_cache
     atexit.register(shutil.rmtree, _modules_cache, ignore_errors=True)
 
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
 
 from ktflow.fixtures import FixtureSpec, make_fixture  # noqa: E402
+
+
+@functools.cache
+def int8_kernels_missing() -> str | None:
+    """Why kt-kernel's INT8 MoE kernels cannot run on this host (None: they can).
+
+    The same check the quantize-int8 stage and ``ktflow doctor`` make, so a test is skipped
+    exactly where the product would refuse or skip: on a CPU without AVX512F + AVX512BW, or
+    where KT_KERNEL_CPU_VARIANT forces kt-kernel's avx2 build.
+    """
+    from ktflow.hardware import probe_host
+    from ktflow.stages import INT8_KERNELS, check_requirement
+
+    return "; ".join(check_requirement(INT8_KERNELS, probe_host())) or None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``int8_kernels`` run where kt-kernel's INT8 kernels do, else are skipped with the reason."""
+    reason = int8_kernels_missing()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs kt-kernel's INT8 kernels: {reason}")
+    for item in items:
+        if item.get_closest_marker("int8_kernels"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def int8_kernels() -> bool:
+    """Whether this host runs kt-kernel's INT8 kernels: where they are missing, the pipeline skips
+    the quantize-int8 stage (with the reason) instead of running it."""
+    return int8_kernels_missing() is None
 
 
 @pytest.fixture(scope="session")

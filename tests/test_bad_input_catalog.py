@@ -489,7 +489,7 @@ CATALOG: list[Case] = [
          convert(serve_python=_stub_toolchain("kt-kernel", "0.6.1")),
          ("serve_python", "kt-kernel 0.6.1"), ("make serve-env", "0.7")),
     Case("env-cpu-lacks-isa", "environment", _kt_sft(env={"KT_KERNEL_CPU_VARIANT": "avx2"}),
-         ("sft", "needs a avx512_bf16 CPU or better", "this CPU is avx2"), ("run this stage on a host",)),
+         ("sft", "needs a avx512_bf16 CPU or better", "kt-kernel variant avx2"), ("run this stage on a host",)),
     Case("env-not-enough-gpus", "environment", _kt_sft("sft.gpus=64"),
          ("sft", "sft needs 64 GPU(s)"), ("run this stage on a host",)),
     Case("env-threads-beyond-cores", "environment",

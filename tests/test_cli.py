@@ -16,11 +16,12 @@ from ktflow.hardware import detect_cpu_variant, probe_host
 REPO = Path(__file__).resolve().parent.parent
 
 
-def ktflow(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def ktflow(*args: str, cwd: Path = REPO, timeout: float = 300,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ktflow.cli", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**(os.environ if env is None else env), "COLUMNS": "200"},
     )
 
 
@@ -119,8 +120,9 @@ SERVE_PYTHON = REPO / ".venv-serve" / "bin" / "python"
 
 @pytest.mark.skipif(not SERVE_PYTHON.exists(), reason="serving toolchain not installed (make serve-env)")
 def test_doctor_variant_is_the_one_kt_kernel_itself_picks() -> None:
-    report = json.loads(ktflow("doctor", "--json").stdout)
-    env = {k: v for k, v in os.environ.items() if k != "KT_KERNEL_CPU_VARIANT"}
+    # This machine's own CPU, as both see it: no override, no stand-in cpuinfo.
+    env = {k: v for k, v in os.environ.items() if k not in ("KT_KERNEL_CPU_VARIANT", "KTFLOW_CPUINFO")}
+    report = json.loads(ktflow("doctor", "--json", env=env).stdout)
     done = subprocess.run([str(SERVE_PYTHON), "-c", "import kt_kernel; print(kt_kernel.__cpu_variant__)"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

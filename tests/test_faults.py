@@ -443,6 +443,7 @@ def test_convert_lora_full_disk_and_read_only_target(tmp_path: Path, fixture_dir
 
 @needs_userns
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_quantize_int8_full_disk_and_read_only_target(tmp_path: Path, fixture_dir) -> None:
     from ktflow.quantize_int8 import quantize_int8
@@ -627,6 +628,7 @@ def test_download_local_source_changed_while_identified_is_refused(tmp_path: Pat
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_quantize_int8_source_changed_mid_run_is_refused(tmp_path: Path, fixture_dir) -> None:
     from ktflow.quantize_int8 import quantize_int8
@@ -735,6 +737,7 @@ def test_two_runs_onto_one_target_do_the_work_once(stage: str, tmp_path: Path, f
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_two_quantize_int8_runs_onto_one_target_do_the_work_once(tmp_path: Path, fixture_dir) -> None:
     from ktflow.quantize_int8 import quantize_int8

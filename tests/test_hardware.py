@@ -287,6 +287,7 @@ def _first_flags_line() -> list[str]:
 @pytest.fixture
 def no_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KT_KERNEL_CPU_VARIANT", raising=False)
+    monkeypatch.delenv("KTFLOW_CPUINFO", raising=False)
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="needs Linux /proc")
@@ -357,3 +358,17 @@ def test_probe_host_nvidia_smi_failure_means_no_gpus(
 def test_probe_host_without_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     assert probe_host(tmp_path).gpus == []
+
+
+def test_a_stand_in_cpuinfo_probes_a_cpu_this_machine_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # KTFLOW_CPUINFO: how the suite (and a user) sees what ktflow does on an AVX2-only CPU.
+    monkeypatch.setenv("KTFLOW_CPUINFO", str(DATA / "epyc_avx2_only.txt"))
+    monkeypatch.delenv("KT_KERNEL_CPU_VARIANT", raising=False)
+    info = probe_host()
+    assert (info.cpu_model, info.cpu_variant, info.native_cpu_variant) == ("AMD EPYC (AVX2 only)", "avx2", "avx2")
+    assert not any(flag.startswith("avx512") for flag in info.cpu_flags)
+    # A fake advertisement (what a test's worker host does) does not make AVX512 kernels run here.
+    monkeypatch.setenv("KT_KERNEL_CPU_VARIANT", "amx")
+    info = probe_host()
+    assert (info.cpu_variant, info.runnable_variant, info.cpu_variant_overridden) == ("amx", "avx2", True)
+    assert info.describe_cpu() == "AMD EPYC (AVX2 only), kt-kernel variant avx2 (KT_KERNEL_CPU_VARIANT=amx; its flags allow avx2)"

@@ -343,7 +343,7 @@ def _stand_in_serve_python(tmp_path: Path) -> Path:
 @needs_serve_env
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
-@pytest.mark.parametrize("command", ["convert-lora", "quantize-int8"])
+@pytest.mark.parametrize("command", ["convert-lora", pytest.param("quantize-int8", marks=pytest.mark.int8_kernels)])
 def test_ktflow_stage_commands_interrupted_or_killed_mid_tool_leave_nothing(
         tmp_path: Path, fixture_dir, trees: list[Tree], command: str, sig: str) -> None:
     base = fixture_dir("bf16")

@@ -143,13 +143,39 @@ def test_too_little_ram_or_scratch_is_refused(fixture_dir, tmp_path: Path, monke
     import ktflow.quantize_int8 as stage
 
     real = stage.probe_host
-    monkeypatch.setattr(stage, "probe_host", lambda path=None: real(path).model_copy(update={"ram_available_bytes": 1 << 20}))
+    # An AVX512 host whatever this CPU is (the RAM refusal is tested on every CPU), short of RAM.
+    monkeypatch.setattr(stage, "probe_host", lambda path=None: real(path).model_copy(update={
+        "ram_available_bytes": 1 << 20, "cpu_variant": "avx512_bf16", "native_cpu_variant": "avx512_bf16"}))
     monkeypatch.setattr(stage, "_toolchain_versions", lambda python: {"kt-kernel": "0.7.2"})
     fake_python = tmp_path / "python"
     fake_python.write_text("")  # never run: the refusal comes first
     out = tmp_path / "out"
     with pytest.raises(HostRequirementError, match=r"one MoE layer needs ~.* GiB of RAM \(.* BF16 experts"):
         quantize_int8(fixture_dir("bf16"), out, threadpool_count=1, serve_python=fake_python)
+    assert not out.exists() and not staging_dir_for(out).exists()
+
+
+@pytest.mark.parametrize(("advertised", "native"), [("avx2", "avx2"), ("avx512_bf16", "avx2"), ("avx2", "amx")])
+def test_a_cpu_without_the_int8_kernels_is_refused_before_any_work(advertised: str, native: str, fixture_dir,
+                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On every CPU: an AVX2 CPU, a fake AVX512 advertisement on one (kt-kernel would die on an
+    # illegal instruction), and kt-kernel forced down to its avx2 build on an AMX CPU.
+    import ktflow.quantize_int8 as stage
+
+    real = stage.probe_host
+    monkeypatch.setattr(stage, "probe_host", lambda path=None: real(path).model_copy(update={
+        "cpu_model": "Test CPU", "cpu_variant": advertised, "native_cpu_variant": native,
+        "cpu_variant_overridden": advertised != native}))
+    monkeypatch.setattr(stage, "_toolchain_versions", lambda python: {"kt-kernel": "0.7.2"})
+    fake_python = tmp_path / "python"
+    fake_python.write_text("")  # never run: the refusal comes first
+    out = tmp_path / "out"
+    with pytest.raises(HostRequirementError) as refused:
+        quantize_int8(fixture_dir("bf16"), out, threadpool_count=1, serve_python=fake_python)
+    message = str(refused.value)
+    for says in ("needs a avx512_base CPU or better", "AVX512F + AVX512BW", "Test CPU, kt-kernel variant avx2",
+                 "Fix: quantize on an AVX512 or AMX host"):
+        assert says in message, (says, message)
     assert not out.exists() and not staging_dir_for(out).exists()
 
 
@@ -167,6 +193,7 @@ def test_driver_imports_nothing_from_the_orchestrator_env() -> None:
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("t", [1, 2])
 def test_quantized_weights_run_in_kt_kernel_within_5_percent(t: int, fixture_dir, tmp_path: Path) -> None:
@@ -235,6 +262,7 @@ def test_quantized_weights_run_in_kt_kernel_within_5_percent(t: int, fixture_dir
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_verification_above_the_bound_publishes_nothing_and_a_rerun_trusts_only_whole_shards(fixture_dir, tmp_path: Path) -> None:
     src = fixture_dir("bf16")
@@ -263,6 +291,7 @@ quantize_int8(Path(sys.argv[1]), Path(sys.argv[2]), threadpool_count=2, serve_py
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_kill_9_mid_layer_then_rerun_redoes_only_that_layer(fixture_dir, tmp_path: Path) -> None:
     src = fixture_dir("bf16", layers=6, experts=16, hidden=512, moe_intermediate=256)  # 5 MoE layers
@@ -298,6 +327,7 @@ def test_kill_9_mid_layer_then_rerun_redoes_only_that_layer(fixture_dir, tmp_pat
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_driver_restarts_bound_kt_kernels_leak_and_change_nothing(fixture_dir, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,9 +13,10 @@ from ktflow.stages import STAGE_ORDER, check_recipe_on_host, plan_stages
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def host(variant: str = "amx", gpus: int = 8, cores: int = 64) -> HostInfo:
+def host(variant: str = "amx", gpus: int = 8, cores: int = 64, native: str | None = None) -> HostInfo:
     return HostInfo(
-        hostname="h", cpu_model="test", cpu_flags=[], cpu_variant=variant, cpu_variant_overridden=False,
+        hostname="h", cpu_model="test", cpu_flags=[], cpu_variant=variant, cpu_variant_overridden=native is not None,
+        native_cpu_variant=native,
         logical_cores=cores * 2, physical_cores=cores, numa_nodes=1,
         numa=[NumaNode(id=0, cpus=list(range(cores)), mem_total_bytes=1 << 40, mem_free_bytes=1 << 40)],
         ram_bytes=1 << 40, ram_available_bytes=1 << 40,
@@ -59,8 +60,11 @@ def test_avx2_host_cannot_run_kt_sft() -> None:
     checks = {c.stage: c for c in check_recipe_on_host(load_recipe(RECIPES / "kimi-k2.5-bf16-int8.yaml"), host("avx2"))}
     assert not checks["sft"].runnable
     assert "sft needs a avx512_bf16 CPU or better" in checks["sft"].missing[0]
-    assert "this CPU is avx2" in checks["sft"].missing[0]
-    assert "quantize-int8 needs a avx512_vnni CPU or better" in checks["quantize-int8"].missing[0]
+    assert "this CPU is test, kt-kernel variant avx2" in checks["sft"].missing[0]
+    # This recipe serves AMXINT8: the INT8 weights are read by its own serve stage, so the stage
+    # is not skipped on a host without the kernels; it is a host this recipe cannot run on.
+    assert checks["quantize-int8"].needed and not checks["quantize-int8"].runnable
+    assert "quantize-int8 needs a avx512_base CPU or better" in checks["quantize-int8"].missing[0]
     assert checks["download"].runnable
 
 
@@ -87,3 +91,36 @@ def test_reference_host_runs_the_big_recipes(name: str) -> None:
 def test_skipped_stages_are_not_checked() -> None:
     checks = {c.stage: c for c in check_recipe_on_host(load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml"), host("none", gpus=0))}
     assert checks["dequantize"].needed is False and checks["dequantize"].missing == []
+
+
+def test_demo_int8_stage_is_skipped_with_the_reason_on_a_host_without_the_kernels() -> None:
+    # The demo serves BF16 on CPU and makes INT8 weights only for a later SGLang host
+    # (conversion.int8: always): an AVX2 host leaves them to an AVX512/AMX one.
+    recipe = load_recipe(RECIPES / "tiny-demo.yaml")
+    checks = {c.stage: c for c in check_recipe_on_host(recipe, host("avx2", gpus=0))}
+    int8 = checks["quantize-int8"]
+    assert int8.needed is False and int8.runnable and int8.missing == []
+    for says in ("skipped on this host", "needs a avx512_base CPU or better", "AVX512F + AVX512BW",
+                 "this CPU is test, kt-kernel variant avx2", "pool avx512-serve", "ktflow worker --pool avx512-serve"):
+        assert says in int8.reason, (says, int8.reason)
+    assert all(c.runnable for c in checks.values())  # so `ktflow doctor --recipe` exits 0 there
+    # Without a host (the plan of a distributed run) and on an AVX512 host, it runs.
+    assert planned("tiny-demo.yaml")["quantize-int8"] is True
+    assert {p.stage: p.needed for p in plan_stages(recipe, host("avx512_base", gpus=0))}["quantize-int8"] is True
+    # Never skipped when nothing else would make the weights: conversion.int8 auto + AMXINT8 serving.
+    kimi = load_recipe(RECIPES / "kimi-k2.5-bf16-int8.yaml")
+    assert {p.stage: p.needed for p in plan_stages(kimi, host("avx2"))}["quantize-int8"] is True
+
+
+@pytest.mark.parametrize(("advertised", "native", "runs"), [
+    ("amx", "avx2", "avx2"),                # a fake advertisement: kt-kernel would die on AMX code
+    ("avx2", "avx512_bf16", "avx2"),        # forced down: kt-kernel loads its avx2 build
+    ("avx512_bf16", "avx512_bf16", "avx512_bf16"),
+])
+def test_the_kernels_that_run_are_the_lower_of_advertised_and_native(advertised: str, native: str, runs: str) -> None:
+    probed = host(advertised, native=native)
+    assert probed.runnable_variant == runs
+    checks = {c.stage: c for c in check_recipe_on_host(load_recipe(RECIPES / "tiny-demo.yaml"), probed)}
+    assert checks["quantize-int8"].needed is (runs != "avx2")
+    if advertised != native:
+        assert f"KT_KERNEL_CPU_VARIANT={advertised}" in probed.describe_cpu()
