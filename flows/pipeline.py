@@ -30,9 +30,9 @@ from prefect.runtime import flow_run as current_run
 from pydantic import BaseModel
 
 from ktflow.dataset import validate_dataset
-from ktflow.errors import InvalidInputError, KtflowError
+from ktflow.errors import InvalidInputError, KtflowError, NoWorkerError
 from ktflow.evaluate import load_eval_records
-from ktflow.pools import pool_for_stage
+from ktflow.pools import WorkPoolSpec, pool_for_stage
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.hardware import HostInfo, probe_host
 from ktflow.stages import StageName, StageSkipped, plan_stages, prepared_for_another_host
@@ -131,6 +131,11 @@ def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any
 # --------------------------------------------------------------------------- distributed
 
 
+DEFAULT_PICKUP_TIMEOUT_S = 600.0
+"""How long a dispatched stage waits for a live worker of its pool (Prefect marks a worker
+offline 3 missed heartbeats, 90 s by default, after it dies)."""
+
+
 class StageFailedError(KtflowError):
     """A stage's child run ended in a state other than Completed."""
 
@@ -160,8 +165,14 @@ def _jsonable(value: Any) -> Any:
     # lost host) is retried, and the stage's engine resumes what the crashed attempt finished.
     retry_condition_fn=lambda task, run, state: not _is_invalid_input(state),
 )
-def dispatch_stage(stage: StageName, parameters: dict[str, Any]) -> Any:
-    """Run ``stage`` as a child run of its deployment and return the child's result."""
+def dispatch_stage(stage: StageName, parameters: dict[str, Any],
+                   pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S) -> Any:
+    """Run ``stage`` as a child run of its deployment and return the child's result.
+
+    Raises:
+        NoWorkerError: no live worker served the stage's pool for ``pickup_timeout_s`` while
+            the child waited to start (the child is cancelled).
+    """
     from prefect.deployments import run_deployment
 
     attempt = TaskRunContext.get().task_run.run_count  # type: ignore[union-attr]
@@ -170,11 +181,12 @@ def dispatch_stage(stage: StageName, parameters: dict[str, Any]) -> Any:
     child = run_deployment(stage_deployment(stage), parameters=parameters, idempotency_key=key, as_subflow=True,
                            timeout=0)  # created, not awaited: we wait below, so we can cancel it
     try:
-        child = _wait_until_final(child.id)
-    except BaseException:
+        child = _wait_until_final(child.id, stage, pickup_timeout_s)
+    except BaseException as exc:
         # The parent is being cancelled (the worker's SIGTERM arrives as an exception), timed
-        # out or crashed: the child on the other pool must not train on for hours unobserved.
-        _cancel(child.id, f"the parent pipeline run {current_run.id} stopped")
+        # out or crashed, or no worker came: the child must not start (or train on) unobserved.
+        why = str(exc) if isinstance(exc, NoWorkerError) else f"the parent pipeline run {current_run.id} stopped"
+        _cancel(child.id, why)
         raise
     state = child.state
     if state is None or not state.is_completed():
@@ -187,15 +199,47 @@ def dispatch_stage(stage: StageName, parameters: dict[str, Any]) -> Any:
     return state.result()
 
 
-def _wait_until_final(run_id: Any, poll_s: float = 1.0) -> Any:
+def _wait_until_final(run_id: Any, stage: StageName, pickup_timeout_s: float, poll_s: float = 1.0) -> Any:
+    """The child run once it ends. While it waits to be picked up, a pool that no live worker
+    has served for ``pickup_timeout_s`` ends the wait: a run never stays Scheduled forever."""
     from prefect.client.orchestration import get_client
 
+    pool = pool_for_stage(stage)
+    last_served = time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
             run = client.read_flow_run(run_id)
             if run.state is not None and run.state.is_final():
                 return run
+            if run.state is None or run.state.is_scheduled():
+                now = time.monotonic()
+                if _live_workers(client, pool.name):
+                    last_served = now  # busy workers: the run waits its turn
+                elif now - last_served > pickup_timeout_s:
+                    raise NoWorkerError(
+                        f"stage {stage} (run {run.name}) on work pool {pool.name}",
+                        f"no live worker served the pool for {pickup_timeout_s:g} s, so the run was never picked up.",
+                        f"start one on a host that qualifies ({_pool_needs(pool)}): `ktflow worker --pool {pool.name}` "
+                        "with PREFECT_API_URL pointing at this server (`ktflow worker --list` says whether a host "
+                        "qualifies); or raise the pipeline's pickup_timeout_s",
+                    )
             time.sleep(poll_s)
+
+
+def _live_workers(client: Any, pool: str) -> list[Any]:
+    from prefect.client.schemas.objects import WorkerStatus
+
+    try:
+        workers = client.read_workers_for_work_pool(pool)
+    except Exception:  # the pool does not exist (yet): nobody serves it
+        return []
+    return [w for w in workers if w.status == WorkerStatus.ONLINE]
+
+
+def _pool_needs(pool: WorkPoolSpec) -> str:
+    if pool.min_cpu_variant is None:
+        return "any CPU"
+    return f"kt-kernel variant {pool.min_cpu_variant} or better: {pool.cpu_reason}"
 
 
 def _cancel(run_id: Any, why: str) -> None:
@@ -232,8 +276,11 @@ def _is_invalid_input(state: Any) -> bool:
     return False
 
 
-def _dispatch(stage: StageName, **parameters: Any) -> Any:
-    return dispatch_stage(stage, {name: _jsonable(value) for name, value in parameters.items()})
+def _dispatcher(pickup_timeout_s: float) -> StageCall:
+    def dispatch(stage: StageName, **parameters: Any) -> Any:
+        return dispatch_stage(stage, {name: _jsonable(value) for name, value in parameters.items()}, pickup_timeout_s)
+
+    return dispatch
 
 
 def _with_store(recipe: Recipe, store_block: str | None) -> Recipe:
@@ -246,22 +293,24 @@ def _with_store(recipe: Recipe, store_block: str | None) -> Recipe:
 
 @flow(name="ktflow-dispatch")
 def pipeline_distributed(recipe: Recipe, hf_token_block: str | None = None,
-                         store_block: str | None = None) -> dict[str, Any]:
+                         store_block: str | None = None,
+                         pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S) -> dict[str, Any]:
     """Fine-tune and serve ``recipe`` with every stage on the work pool that can run it.
 
     ``hf_token_block``: a ``ktflow-huggingface-credentials/NAME`` block or a Secret block's name.
     ``store_block``: a ModelStore block whose root replaces the recipe's store root.
+    ``pickup_timeout_s``: how long a stage may wait for a live worker of its pool before the run fails.
     """
     recipe = _with_store(recipe, store_block)
     get_run_logger().info("dispatching %s: %s", recipe.name,
                           ", ".join(f"{p.stage} -> {pool_for_stage(p.stage).name}" for p in plan_stages(recipe)
                                     if p.needed))
-    return run_pipeline(recipe, _dispatch, hf_token_block)
+    return run_pipeline(recipe, _dispatcher(pickup_timeout_s), hf_token_block)
 
 
 @flow(name="ktflow-retrain")
 def retrain(recipe_file: str, dataset_file: str | None = None, hf_token_block: str | None = None,
-            store_block: str | None = None) -> dict[str, Any]:
+            store_block: str | None = None, pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S) -> dict[str, Any]:
     """Retrain a recipe (a file on the shared checkout), optionally on a newly published dataset.
 
     Started by the schedule and by ``dataset.version.published`` events (``ktflow dataset
@@ -270,4 +319,4 @@ def retrain(recipe_file: str, dataset_file: str | None = None, hf_token_block: s
     overrides = [f"dataset.files={json.dumps([dataset_file])}"] if dataset_file else []
     recipe = _with_store(load_recipe(recipe_file, overrides), store_block)
     get_run_logger().info("retraining %s on %s", recipe.name, ", ".join(map(str, recipe.dataset.files)))
-    return run_pipeline(recipe, _dispatch, hf_token_block)
+    return run_pipeline(recipe, _dispatcher(pickup_timeout_s), hf_token_block)

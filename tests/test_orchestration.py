@@ -1,10 +1,13 @@
 """The distributed pipeline on a real Prefect server with two ``ktflow worker`` "hosts".
 
-One worker is advertised as the training host (KT_KERNEL_CPU_VARIANT=amx: the override
-kt-kernel itself obeys, so it qualifies for the amx-train pool), the other as the serving host
-(this CPU, avx512-serve). Deployments come from deployments/prefect.yaml; runs are started
-with the ``prefect`` CLI, as users do. Every stage is real (tiny Kimi-K2.5 fixture,
-LlamaFactory SFT on CPU, kt-kernel INT8, LlamaFactory's OpenAI server).
+Each worker advertises its host's capabilities with KT_KERNEL_CPU_VARIANT (the override
+kt-kernel itself obeys): the training host as ``amx`` (the amx-train pool), the serving host as
+``avx512_bf16`` (avx512-serve), so the pools are joined the same way on every CPU. What runs
+is what this CPU can run: on a CPU without AVX512 the serving host skips the quantize-int8
+stage (its weights are for a later SGLang host), with the reason, as the embedded run does.
+Deployments come from deployments/prefect.yaml; runs are started with the ``prefect`` CLI, as
+users do. Every stage is real (tiny Kimi-K2.5 fixture, LlamaFactory SFT on CPU, kt-kernel INT8
+where the CPU has it, LlamaFactory's OpenAI server).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ pytestmark = [
 ]
 
 TRAIN, SERVE = "train-host", "serve-host"
+# What each fake host advertises; heartbeats every 5 s, so a stopped worker is offline in 15 s.
+HOST_ENV = {
+    TRAIN: {"KT_KERNEL_CPU_VARIANT": "amx", "PREFECT_WORKER_HEARTBEAT_SECONDS": "5"},
+    SERVE: {"KT_KERNEL_CPU_VARIANT": "avx512_bf16", "PREFECT_WORKER_HEARTBEAT_SECONDS": "5"},
+}
 TRAIN_STAGES = {"download", "dequantize", "sft"}
 
 
@@ -84,10 +92,13 @@ class Setup:
             body["artifacts"]["flow_run_id"] = {"any_": [flow_run_id]}
         return self.cluster.api("POST", "/artifacts/filter", body)  # type: ignore[return-value]
 
-    def summary(self, flow_run_id: str) -> dict[str, str]:
+    def summary_rows(self, flow_run_id: str) -> dict[str, dict[str, str]]:
         [artifact] = self.artifacts(flow_run_id, "pipeline-summary")
         rows = json.loads(artifact["data"]) if isinstance(artifact["data"], str) else artifact["data"]
-        return {row["stage"]: row["result"] for row in rows}
+        return {row["stage"]: row for row in rows}
+
+    def summary(self, flow_run_id: str) -> dict[str, str]:
+        return {stage: row["result"] for stage, row in self.summary_rows(flow_run_id).items()}
 
     def endpoint_record(self) -> dict:
         return json.loads((self.root / "store/serving/tiny-demo/endpoint.json").read_text())
@@ -129,11 +140,11 @@ def _wait_for_training(setup: Setup, parent: str, timeout: float, ready=lambda: 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    from ktflow.demo import write_demo_dataset
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.demo import DEMO_MODEL, write_demo_dataset
+    from ktflow.fixtures import make_fixture
 
     root = tmp_path_factory.mktemp("distributed")
-    make_fixture(FixtureSpec(kind="kimi-k2.5"), root / "model")
+    make_fixture(DEMO_MODEL, root / "model")
     write_demo_dataset(root / "data")
     recipe = yaml.safe_load((REPO / "recipes/tiny-demo.yaml").read_text())
     recipe["source"]["local_path"] = str(root / "model")
@@ -151,8 +162,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         subprocess.run([sys.executable, "-c", "import sys\nfrom blocks import Toolchain\n"
                         "Toolchain(role='serve', python=sys.argv[1]).save('serve-host-serve')",
                         str(REPO / ".venv-serve/bin/python")], cwd=REPO, env=cluster.env, check=True, timeout=120)
-        cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], {"KT_KERNEL_CPU_VARIANT": "amx"})
-        cluster.start_worker(SERVE, ["avx512-serve"], toolchains=["serve=serve-host-serve"])
+        cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], HOST_ENV[TRAIN])
+        cluster.start_worker(SERVE, ["avx512-serve"], HOST_ENV[SERVE], toolchains=["serve=serve-host-serve"])
         try:
             yield Setup(cluster, root, recipe_file)
         finally:
@@ -160,7 +171,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                            capture_output=True, timeout=120)
 
 
-def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup) -> None:
+def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: bool) -> None:
     from ktflow.pools import pool_for_stage
 
     done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
@@ -183,6 +194,12 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup) -> None:
     assert all(child["state_type"] == "COMPLETED" for child in children)
     summary = setup.summary(parent)
     assert "steps" in summary["sft"] and summary["evaluate"] == "adapter applied: True, promoted: True"
+    int8 = setup.summary_rows(parent)["quantize-int8"]
+    if int8_kernels:
+        assert int8["runs"] == "yes" and int8["result"].endswith("(T=2)"), int8
+    else:  # the serving host's CPU lacks the kernels: it says so, and the run goes on
+        assert int8["runs"] == "skipped" and "skipped on this host" in int8["why"], int8
+        assert "ktflow worker --pool avx512-serve" in int8["why"], int8
     # The serve stage left a ServingEndpoint block for clients (the key stays in its env var).
     loaded = subprocess.run([sys.executable, "-c", "from blocks import ServingEndpoint\n"
                              "print(ServingEndpoint.load('tiny-demo-endpoint').model_dump_json())"],
@@ -243,11 +260,11 @@ def test_cancelling_the_parent_cancels_the_running_stage_and_leaves_no_process(s
 
 def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup) -> None:
     data = setup.dataset_variant("kill.jsonl", "nya~", "nya, nya~")
-    earlier = set((setup.root / "store").glob("runs/*/output/checkpoint-2"))
+    earlier = set((setup.root / "store").glob("runs/*/output/checkpoint-*"))
     parent = setup.start_pipeline(setup.recipe(data))
 
     def checkpointed() -> bool:
-        return bool(set((setup.root / "store").glob("runs/*/output/checkpoint-2")) - earlier)
+        return bool(set((setup.root / "store").glob("runs/*/output/checkpoint-*")) - earlier)
 
     sft = _wait_for_training(setup, parent, 400, checkpointed)
     victims = _processes_of_run(sft["id"])
@@ -280,7 +297,7 @@ def test_a_restarted_worker_does_not_run_a_stage_twice(setup: Setup) -> None:
     psutil.wait_procs([supervisor, *workers], timeout=30)
     setup.cluster.workers.pop(TRAIN).wait()
     assert _processes_of_run(sft["id"]), "the stage's process outlives its worker"
-    setup.cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], {"KT_KERNEL_CPU_VARIANT": "amx"})
+    setup.cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], HOST_ENV[TRAIN])
 
     final = setup.wait_state(parent, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, 600)
     assert final["state_type"] == "COMPLETED", final["state"]
@@ -298,3 +315,28 @@ def test_the_server_rejects_an_invalid_recipe_before_creating_a_run(setup: Setup
     assert done.returncode != 0
     assert "lora_rank" in done.stdout + done.stderr
     assert len(setup.flow_runs("ktflow-dispatch")) == before
+
+
+def test_a_stage_whose_pool_no_live_worker_serves_fails_in_bounded_time(setup: Setup) -> None:
+    setup.cluster.stop_worker(SERVE)
+    try:
+        deadline = time.monotonic() + 60
+        while any(w["status"] == "ONLINE" for w in setup.cluster.api("POST", "/work_pools/avx512-serve/workers/filter", {})):
+            assert time.monotonic() < deadline, "the stopped worker still counts as online"
+            time.sleep(1)
+        # Download, dequantize and SFT are cache hits on the training host; convert-lora has no worker.
+        started = time.monotonic()
+        done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
+                                     json.dumps({"recipe": setup.recipe(), "pickup_timeout_s": 5}))
+        parent = _run_id(done.stdout)
+        final = setup.wait_state(parent, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, 300)
+        print(f"failed after {time.monotonic() - started:.1f} s")
+        assert final["state_type"] == "FAILED", final["state"]
+        message = final["state"]["message"]
+        for says in ("stage convert-lora", "work pool avx512-serve", "no live worker served the pool for 5 s",
+                     "`ktflow worker --pool avx512-serve`", "avx512_base or better"):
+            assert says in message, (says, message)
+        [child] = setup.flow_runs("ktflow-convert-lora", ["SCHEDULED", "PENDING", "CANCELLING", "CANCELLED"])[:1]
+        setup.wait_state(child["id"], {"CANCELLED"}, 60)  # never left Scheduled for a worker to find later
+    finally:
+        setup.cluster.start_worker(SERVE, ["avx512-serve"], HOST_ENV[SERVE], toolchains=["serve=serve-host-serve"])
