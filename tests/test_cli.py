@@ -31,7 +31,7 @@ def test_doctor_json_reports_this_host() -> None:
     report = json.loads(result.stdout)
     for key in ("cpu_variant", "physical_cores", "numa_nodes", "ram_bytes", "gpus", "disk_free_bytes"):
         assert key in report
-    with open("/proc/cpuinfo") as f:
+    with open(os.environ.get("KTFLOW_CPUINFO") or "/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
     assert report["cpu_variant"] == detect_cpu_variant(flags)
     assert report["ram_bytes"] == probe_host().ram_bytes
@@ -54,6 +54,24 @@ def test_doctor_table_for_the_demo_recipe() -> None:
     result = ktflow("doctor", "--recipe", "recipes/tiny-demo.yaml")
     assert result.returncode == 0, result.stderr
     assert "kt-kernel variant" in result.stdout and "quantize-int8" in result.stdout
+
+
+@pytest.mark.parametrize(("cpuinfo", "variant", "int8_runs"), [
+    ("epyc_avx2_only.txt", "avx2", False),
+    ("xeon_6248_2s2c2t.txt", "", True),  # Cascade Lake: avx512_vnni
+])
+def test_doctor_says_before_the_run_whether_the_demo_quantizes_to_int8_here(cpuinfo: str, variant: str,
+                                                                            int8_runs: bool) -> None:
+    # Any CPU, on every CPU: the probe reads a stand-in cpuinfo (and kt-kernel's variant follows it).
+    env = {**os.environ, "KTFLOW_CPUINFO": str(REPO / "tests/data/cpuinfo" / cpuinfo), "KT_KERNEL_CPU_VARIANT": variant}
+    result = ktflow("doctor", "--recipe", "recipes/tiny-demo.yaml", "--json", env=env)
+    assert result.returncode == 0, result.stderr  # the demo runs on both
+    [int8] = [s for s in json.loads(result.stdout)["stages"] if s["stage"] == "quantize-int8"]
+    assert int8["needed"] is int8_runs and int8["runnable"], int8
+    if not int8_runs:
+        for says in ("skipped on this host", "needs a avx512_base CPU or better", "AMD EPYC (AVX2 only), kt-kernel "
+                     "variant avx2", "pool avx512-serve"):
+            assert says in int8["reason"], (says, int8["reason"])
 
 
 def test_invalid_recipe_exits_2_naming_the_field() -> None:
@@ -144,3 +162,23 @@ def test_serve_dry_run_json_native_method_has_no_int8_count() -> None:
     doc = json.loads(ktflow("serve", "recipes/kimi-k2.5-rawint4.yaml", "--dry-run", "--json").stdout)
     assert "int8_threadpool_count" not in doc
     assert doc["argv"][doc["argv"].index("--kt-method") + 1] == "RAWINT4"
+
+
+def test_make_from_another_directory_runs_in_the_checkout(tmp_path: Path) -> None:
+    # `make -f <checkout>/Makefile demo` from anywhere: make re-runs itself in the checkout (dry run here).
+    done = subprocess.run(["make", "-n", "-f", str(REPO / "Makefile"), "demo"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"-C {REPO} demo" in done.stdout and ".venv/bin/ktflow demo" in done.stdout, done.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_demo_finds_its_checkout_from_any_directory(tmp_path: Path) -> None:
+    from ktflow.cli import _demo_checkout
+
+    here = Path.cwd()
+    try:
+        os.chdir(tmp_path)
+        assert _demo_checkout() == REPO  # the checkout ktflow runs from
+    finally:
+        os.chdir(here)

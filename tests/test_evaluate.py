@@ -295,3 +295,46 @@ def test_adapter_check_needs_a_differing_answer(stub: Stub) -> None:
     applied, rows = adapter_is_applied(stub.url, KEY, "base", "tuned", prompts)
     assert applied is True and [r["differs"] for r in rows] == [False, True, False]
     assert rows[1] == {"prompt": "p2", "base": "base says p2", "tuned": "tuned says p2, nya~", "differs": True}
+
+
+@pytest.mark.parametrize(("gate", "min_gain", "tuned_answers", "promoted", "fails_run"), [
+    # No gate set: promotion is still judged on rouge-l, so a worse model is never "promoted".
+    (None, 0.0, "worse", False, False),
+    (None, 0.0, "exact", True, False),
+    # The demo's gate: +20 ROUGE-L or the run fails.
+    ("rouge-l", 20.0, "exact", True, False),
+    ("rouge-l", 20.0, "slightly better", False, True),
+    ("rouge-l", 0.0, "worse", False, True),
+])
+def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
+        stub: Stub, tmp_path: Path, gate: str | None, min_gain: float, tuned_answers: str, promoted: bool,
+        fails_run: bool) -> None:
+    from ktflow.evaluate import evaluate_base_vs_tuned
+    from ktflow.recipe import load_recipe
+
+    references = {q: a for q, a, _ in GENERATIVE}
+    data = _jsonl(tmp_path / "eval.jsonl", [_chat(q, a) for q, a in references.items()])
+    for i, (q, a) in enumerate(references.items()):
+        base = a.split(" ")[0] + " and more words"  # a few points of ROUGE-L
+        stub.answers[("tiny-demo", q)] = base
+        stub.answers[("tiny-demo:tuned", q)] = {
+            "exact": a, "worse": "nothing alike", "slightly better": a.split(" ")[0] + " " + a.split(" ")[1] + " x",
+        }[tuned_answers]
+    overrides = [f"evaluation.files={json.dumps([str(data)])}", f"evaluation.gate_min_gain={min_gain}"]
+    if gate:
+        overrides.append(f"evaluation.gate_metric={gate}")
+    recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes/tiny-demo.yaml", overrides)
+    if not gate:
+        recipe.evaluation.gate_metric = None
+    result = evaluate_base_vs_tuned(recipe, model_dir=tmp_path, tuned_url=stub.url, tuned_model="tiny-demo:tuned",
+                                    api_key=KEY, out_dir=tmp_path / "eval", base_url=stub.url, base_model="tiny-demo")
+    gain = result.tuned.metrics["rouge-l"] - result.base.metrics["rouge-l"]
+    assert result.adapter_applied and result.gate_metric == "rouge-l"
+    assert result.promoted is promoted and promoted == (gain >= min_gain), gain
+    assert result.gate_enforced is (gate is not None)
+    failure = result.gate_failure(min_gain)
+    assert (failure is not None) is fails_run
+    if failure:
+        assert f"the promotion gate asks for at least +{min_gain:.2f}" in failure and f"{gain:+.2f} points" in failure
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    assert report["promoted"] is promoted and report["gate_metric"] == "rouge-l"

@@ -72,7 +72,6 @@ def test_demo_runs_every_stage_then_caches_then_reruns_only_what_the_data_touche
         else:  # skipped with what it needs, what this CPU has, and where it runs instead
             assert re.search(r"quantize-int8\s+│ skipped .*skipped on this host: quantize-int8 needs a avx512_base",
                              demo.stdout), demo.stdout
-            assert "kt-kernel variant avx2" in demo.stdout and "ktflow worker --pool avx512-serve" in demo.stdout
         assert "(cached)" not in demo.stdout
         assert "Traceback" not in demo.stderr, demo.stderr[-3000:]
         # Fine-tuning worked: the tuned model answers in the training data's style, the base does not,
@@ -100,6 +99,14 @@ def test_demo_runs_every_stage_then_caches_then_reruns_only_what_the_data_touche
         r3 = results(third)
         assert r3["dequantize"].endswith("(cached)")  # the data is downstream of the weights
         assert "steps" in r3["sft"] and not r3["sft"].endswith("(cached)")  # trained again
+        [int8] = [row for row in third["stages"] if row["stage"] == "quantize-int8"]
+        if int8_kernels:
+            assert int8["runs"] == "yes" and int8["result"].endswith("(T=2) (cached)"), int8
+        else:
+            assert int8["runs"] == "skipped" and int8["result"] == "-", int8
+            for says in ("needs a avx512_base CPU or better", "AVX512F + AVX512BW", "kt-kernel variant avx2",
+                         "`ktflow worker --pool avx512-serve`"):
+                assert says in int8["why"], (says, int8["why"])
         assert r3["evaluate"] == "adapter applied: True, promoted: True"
         assert endpoint_pid(tmp_path) != pid  # the new adapter is served
         assert_no_secret_anywhere(tmp_path)

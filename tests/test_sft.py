@@ -139,7 +139,9 @@ def _recipe(tmp_path: Path, model: Path, *overrides: str):
     return load_recipe(RECIPES / "tiny-demo.yaml", [
         f"source.local_path={model}", "source.format=bf16", f"dataset.files=[{data / 'train.jsonl'}]",
         f"evaluation.files=[{data / 'eval.jsonl'}]", f"store.root={tmp_path / 'store'}",
-        f"toolchains.train.python={TRAIN_PYTHON}", *overrides,
+        f"toolchains.train.python={TRAIN_PYTHON}",
+        # a short run with frequent checkpoints (the demo trains 400 steps)
+        "sft.max_steps=6", "sft.save_steps=2", "sft.logging_steps=1", *overrides,
     ])
 
 
