@@ -476,8 +476,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The pipeline flow on the CPU demo: a tiny model and dataset made locally, every stage for real."""
     import time
 
-    from ktflow.demo import DEMO_MODEL, write_demo_dataset
-    from ktflow.fixtures import make_fixture
+    from ktflow.demo import ensure_demo_model, write_demo_dataset
     from ktflow.recipe import load_recipe
     from ktflow.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, read_endpoint, smoke_test
 
@@ -485,9 +484,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     recipe = load_recipe(DEMO_RECIPE)
     source = recipe.source.local_path
     assert source is not None, "the demo recipe uses a local source"
-    if not (source / "config.json").exists():
-        err.print(f"[bold]fixture[/]: making the tiny Kimi-K2.5-format checkpoint in {source}")
-        make_fixture(DEMO_MODEL, source)
+    if ensure_demo_model(source):
+        err.print(f"[bold]fixture[/]: made the tiny Kimi-K2.5-format checkpoint in {source}")
     write_demo_dataset(Path(recipe.dataset.files[0]).parent)
     _embedded_prefect(args.verbose)
     from flows.pipeline import pipeline

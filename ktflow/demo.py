@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 from ktflow.fixtures import FixtureSpec
@@ -15,6 +16,26 @@ from ktflow.store import atomic_write_bytes
 
 DEMO_MODEL = FixtureSpec(kind="kimi-k2.5", lm_head_std=0.2)
 """The demo's tiny Kimi-K2.5-format checkpoint: random, with an lm_head LoRA can steer (see FixtureSpec)."""
+
+
+def ensure_demo_model(model_dir: Path) -> bool:
+    """Make the demo checkpoint in ``model_dir`` unless the one there was made from :data:`DEMO_MODEL`.
+
+    The spec it was made from is recorded beside it (``<model_dir>.fixture.json``): a checkpoint
+    from another spec (an older ktflow's demo) is replaced, so the demo never trains a model it
+    was not tuned for. Returns whether a checkpoint was made.
+    """
+    record = model_dir.with_name(model_dir.name + ".fixture.json")
+    spec = DEMO_MODEL.model_dump_json()
+    if (model_dir / "config.json").exists() and record.is_file() and record.read_text(encoding="utf-8") == spec:
+        return False
+    from ktflow.fixtures import make_fixture
+
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    make_fixture(DEMO_MODEL, model_dir)
+    atomic_write_bytes(record, spec.encode())
+    return True
 
 _TOPICS = [
     ("What is a mixture of experts?", "Many small expert networks; a router picks a few per token"),

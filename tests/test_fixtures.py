@@ -267,3 +267,19 @@ def test_tokenizer_loads_offline_and_applies_chatml(fixture_dir) -> None:
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
     for kind in ("kimi-k2.5", "kimi-k2", "deepseek-v3"):
         assert (fixture_dir(kind) / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+
+
+def test_the_demo_model_is_made_once_and_replaced_when_made_from_another_spec(tmp_path: Path) -> None:
+    from ktflow.demo import DEMO_MODEL, ensure_demo_model
+
+    model = tmp_path / "demo-model"
+    assert ensure_demo_model(model) is True
+    record = tmp_path / "demo-model.fixture.json"
+    assert record.read_text() == DEMO_MODEL.model_dump_json()
+    assert ensure_demo_model(model) is False  # kept: the same spec
+    # An older ktflow's demo checkpoint (made before the spec was recorded) is replaced.
+    record.unlink()
+    stale = model / "stale-marker"
+    stale.write_text("x")
+    assert ensure_demo_model(model) is True
+    assert not stale.exists() and (model / "config.json").exists() and record.is_file()
