@@ -181,7 +181,7 @@ def test_overrides_are_validated_like_the_file() -> None:
 def test_mapping_input_is_not_mutated() -> None:
     data = raw("tiny-demo.yaml")
     recipe_from_mapping(data, ["sft.max_steps=1"])
-    assert data["sft"]["max_steps"] == 6
+    assert data == raw("tiny-demo.yaml") and data["sft"]["max_steps"] != 1
 
 
 # ---------------------------------------------------------------- KT 0.7 SFT rules (kt_kernel.sft.config)

@@ -124,7 +124,8 @@ def test_llamafactory_parser_accepts_the_cpu_render(tmp_path: Path, fixture_dir)
     done = subprocess.run([str(TRAIN_PYTHON), "-c", code, json.dumps(cfg)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert parsed == {"rank": 8, "cpu": True, "out": str(tmp_path / "out")}
+    assert parsed == {"rank": plan.train_config["lora_rank"], "cpu": True, "out": str(tmp_path / "out")}
+    assert plan.train_config["lora_rank"] == 16  # the demo recipe's
 
 
 # --------------------------------------------------------------------------- refusals before launch
@@ -139,10 +140,12 @@ def _recipe(tmp_path: Path, model: Path, *overrides: str):
     return load_recipe(RECIPES / "tiny-demo.yaml", [
         f"source.local_path={model}", "source.format=bf16", f"dataset.files=[{data / 'train.jsonl'}]",
         f"evaluation.files=[{data / 'eval.jsonl'}]", f"store.root={tmp_path / 'store'}",
-        f"toolchains.train.python={TRAIN_PYTHON}",
-        # a short run with frequent checkpoints (the demo trains 400 steps)
-        "sft.max_steps=6", "sft.save_steps=2", "sft.logging_steps=1", *overrides,
+        f"toolchains.train.python={TRAIN_PYTHON}", *SHORT_RUN, *overrides,
     ])
+
+
+SHORT_RUN = ["sft.max_steps=6", "sft.save_steps=2", "sft.logging_steps=1"]
+"""A short run with frequent checkpoints (the demo recipe trains 400 steps)."""
 
 
 def test_malformed_record_stops_before_launch(tmp_path: Path, fixture_dir) -> None:
@@ -243,7 +246,7 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
     argv = [sys.executable, "-m", "ktflow.cli", "sft", str(RECIPES / "tiny-demo.yaml")]
     for override in [f"source.local_path={model}", "source.format=bf16",
                      f"dataset.files=[{root / 'data' / 'train.jsonl'}]", f"evaluation.files=[{root / 'data' / 'eval.jsonl'}]",
-                     f"store.root={root / 'store'}", f"toolchains.train.python={TRAIN_PYTHON}", *steps]:
+                     f"store.root={root / 'store'}", f"toolchains.train.python={TRAIN_PYTHON}", *SHORT_RUN, *steps]:
         argv += ["--set", override]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240
