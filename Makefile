@@ -51,7 +51,7 @@ KT_VENV := .venv-kt-train
 KT_STAMP := $(KT_VENV)/.ktflow-installed
 KT_PKGS := 'ktransformers[sft]==0.7.2' torch==2.9.1 torchaudio==2.9.1
 
-.PHONY: demo test env train-env serve-env kt-train-env lock lock-train lock-serve lock-kt-train clean-env
+.PHONY: demo test env train-env serve-env kt-train-env browser lock lock-train lock-serve lock-kt-train clean-env
 
 env: $(STAMP)
 train-env: $(TRAIN_STAMP)
@@ -89,7 +89,13 @@ $(KT_STAMP): constraints/kt-train.txt | $(STAMP)
 demo: $(STAMP) $(TRAIN_STAMP) $(SERVE_STAMP)
 	$(BIN)/ktflow demo
 
-test: $(STAMP) $(TRAIN_STAMP) $(LEGACY_STAMP) $(SERVE_STAMP) $(KT_STAMP)
+# Debian's chromium and its driver for the browser test (tests/test_ui.py); apt only when absent.
+browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; }
+
+test: $(STAMP) $(TRAIN_STAMP) $(LEGACY_STAMP) $(SERVE_STAMP) $(KT_STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Re-resolve the orchestrator pins from pyproject's ranges (needs network to the index).

@@ -39,6 +39,7 @@ from ktflow.stages import StageName, StageSkipped, plan_stages, prepared_for_ano
 from ktflow.store import read_manifest
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
+from tasks.report import publish_run_report
 
 StageCall = Callable[..., Any]
 
@@ -114,6 +115,8 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     else:
         record("evaluate", "-")
     create_table_artifact(key="pipeline-summary", table=rows, description=f"ktflow pipeline: {recipe.name}")
+    publish_run_report(recipe, rows, trained=trained, evaluation=report if plans["evaluate"].needed else None,
+                       endpoint=endpoint)
     outcome["stages"] = rows
     return outcome
 

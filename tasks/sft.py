@@ -6,11 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from ktflow.hardware import probe_host
 from ktflow.recipe import Recipe
+from ktflow.run_report import image_markdown
 from ktflow.errors import InvalidInputError
 from ktflow.sft import SftResult, TrainerProgress, locate_adapter, run_sft
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
@@ -64,7 +65,13 @@ def sft_task(recipe: Recipe, model_dir: str) -> SftResult:
             ),
         )
         if result.loss_curve is not None:
-            # Prefect shows images by URL; a file URL works wherever the UI can reach the store.
-            create_image_artifact(image_url=result.loss_curve.as_uri(), key="sft-loss-curve",
-                                  description="training loss (LlamaFactory plot_loss)")
+            # Embedded in the artifact (a data URL): the UI is a web page, and a file:// link to
+            # the store is something a user's browser cannot open.
+            create_markdown_artifact(
+                key="sft-loss-curve",
+                markdown=image_markdown(result.loss_curve, f"Training loss: {recipe.name}", "training loss",
+                                        caption=f"{result.steps} steps, final loss {loss} "
+                                                f"(LlamaFactory plot_loss; file: `{result.loss_curve}`)"),
+                description="training loss curve (LlamaFactory plot_loss)",
+            )
     return result

@@ -34,7 +34,11 @@ def host(variant: str) -> HostInfo:
 
 
 def deployments_by_entrypoint() -> dict[str, dict]:
-    return {d["entrypoint"]: d for d in PREFECT_YAML["deployments"]}
+    """The stage, parent and retrain deployments (the shipped recipes' one-click deployments of the
+    parent flow are checked on their own below)."""
+    from ktflow.recipe_deployments import recipe_deployment_file
+
+    return {d["entrypoint"]: d for d in PREFECT_YAML["deployments"] if recipe_deployment_file(d) is None}
 
 
 def test_every_stage_has_one_deployment_on_its_pool_named_after_the_pool() -> None:
@@ -83,6 +87,70 @@ def test_every_entrypoint_is_a_flow_and_stage_flows_take_their_tasks_parameters(
         flow_params = inspect.signature(STAGE_FLOWS[stage].fn).parameters
         task_params = inspect.signature(STAGE_TASKS[stage].fn).parameters
         assert list(flow_params) == list(task_params), stage
+
+
+def test_every_shipped_recipe_has_a_one_click_deployment_of_the_parent_named_after_it() -> None:
+    from ktflow.recipe import load_recipe
+    from ktflow.recipe_deployments import (PARENT_ENTRYPOINT, STEP, STEP_ID, recipe_deployment_file,
+                                           shipped_recipe_files)
+
+    by_file = {}
+    for deployment in PREFECT_YAML["deployments"]:
+        file = recipe_deployment_file(deployment)
+        if file is None:
+            continue
+        assert file not in by_file, f"{file} has two deployments"
+        by_file[file] = deployment
+    files = shipped_recipe_files(REPO)
+    assert len(files) >= 6
+    missing = sorted(set(files) - set(by_file))
+    assert not missing, f"recipes without a deployment in deployments/prefect.yaml: {missing}"
+    stale = sorted(set(by_file) - set(files))
+    assert not stale, f"deployments of recipe files that do not exist: {stale}"
+    for file, deployment in by_file.items():
+        assert deployment["name"] == load_recipe(REPO / file).name, file
+        assert deployment["entrypoint"] == PARENT_ENTRYPOINT
+        assert deployment["work_pool"]["name"] == CONTROL_POOL
+        [step] = deployment["build"]
+        assert step[STEP]["id"] == STEP_ID
+        # The defaults are the build step's output, never a copy that could drift from the file.
+        assert deployment["parameters"] == {"recipe": "{{ %s.recipe }}" % STEP_ID}, file
+
+
+def test_deploying_a_recipe_deployment_gives_the_recipe_file_as_its_default_parameters() -> None:
+    """What ``prefect deploy`` does with an entry: call its build step, template the entry with
+    the step's output under its id (Prefect's own templating). The result must be the recipe
+    file's JSON, valid as the parent flow's ``recipe`` parameter. (The deploy itself, against a
+    real server, is tests/test_ui.py's.)"""
+    import importlib
+
+    from prefect.utilities.templating import apply_values
+
+    from flows.pipeline import pipeline_distributed
+    from ktflow.recipe import Recipe, load_recipe
+    from ktflow.recipe_deployments import recipe_deployment_file
+
+    cwd = os.getcwd()
+    os.chdir(REPO)  # as users (and tests/prefect_cluster.py) deploy: from the checkout
+    try:
+        for deployment in PREFECT_YAML["deployments"]:
+            file = recipe_deployment_file(deployment)
+            if file is None:
+                continue
+            [step] = deployment["build"]
+            [(fqn, inputs)] = step.items()
+            inputs = dict(inputs)
+            step_id = inputs.pop("id")
+            module, name = fqn.rsplit(".", 1)
+            outputs = {step_id: getattr(importlib.import_module(module), name)(**inputs)}
+            resolved = apply_values({k: v for k, v in deployment.items() if k != "build"}, outputs)
+            expected = load_recipe(REPO / file).model_dump(mode="json")
+            assert resolved["parameters"] == {"recipe": expected}, file
+            assert Recipe.model_validate(resolved["parameters"]["recipe"]).model_dump(mode="json") == expected
+            assert file in resolved["description"]
+            assert "recipe" in inspect.signature(pipeline_distributed.fn).parameters
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.mark.parametrize(("variant", "joins"), [
