@@ -254,6 +254,13 @@ class SftConfig(_Strict):
                 raise ValueError("@kt_config: backend 'kt' needs a kt_config mapping (kt_backend, ...)")
             if self.gpus < 1:
                 raise ValueError("@gpus: backend 'kt' needs at least one GPU (gpus >= 1)")
+            if self.kt_cpu_activation == "recompute" and self.disable_gradient_checkpointing:
+                # LlamaFactory-kt's get_kt_activation_policy refuses this at launch.
+                raise ValueError(
+                    "@kt_cpu_activation: 'recompute' needs GPU gradient checkpointing, but "
+                    "disable_gradient_checkpointing is true; use kt_cpu_activation: retain (or leave it unset), "
+                    "or set disable_gradient_checkpointing: false"
+                )
             _check_kt_config(self, self.kt_config)
         elif self.backend == "kt-legacy":
             if v07:

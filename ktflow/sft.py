@@ -569,7 +569,10 @@ def _publish_adapter(
         stage="sft",
         inputs={"base": base_digest, "data": data_digest, "config": config_digest},
         settings={"backend": recipe.sft.backend, "run_key": key},
+        # KT's forks are distributions of their own (llamafactory-kt, transformers-kt, ...) that import
+        # under the upstream module names: a KT toolchain has no "transformers" distribution.
         tools=tool_versions(python, ("llamafactory", "transformers", "peft", "torch", "accelerate", "trl",
+                                     "llamafactory-kt", "transformers-kt", "peft-kt", "accelerate-kt", "trl-kt",
                                      "kt-kernel", "ktransformers")),
         extra={"steps": summary["steps"], "final_loss": summary["final_loss"],
                "tokens_per_second": summary["tokens_per_second"], "loss_curve": curve.exists(),

@@ -84,9 +84,11 @@ Mutate = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], dict], None
 
 
 def make_kt_adapter(base: Path, out: Path, *, mutate: Mutate | None = None, fused: bool = True,
-                    manifest: bool = True) -> Path:
+                    manifest: bool = True, kt_wrapper_layers: tuple[int, ...] = ()) -> Path:
     """A KT fused-path training output for ``base``'s shapes: non-expert PEFT LoRA on the MLA
-    projections (layer 2's keys carry KTransformers' ``.orig_module`` wrapper names), fused
+    projections (float32, ``base_model.model.model.layers.{L}.self_attn.{proj}.lora_{A,B}.weight``,
+    as KT 0.7.2 wrote them on the GPU host with FSDP2; the layers in ``kt_wrapper_layers`` carry
+    KTransformers' ``.orig_module`` wrapper names, which real 0.7.2 output did not have), fused
     expert LoRA for every MoE layer, the config and kt-kernel's manifest."""
     d, shapes = _dims(base), _base_shapes(base)
     root = "language_model.model" if any(k.startswith("language_model.") for k in shapes) else "model"
@@ -95,7 +97,7 @@ def make_kt_adapter(base: Path, out: Path, *, mutate: Mutate | None = None, fuse
     for layer in range(d["layers"]):
         for module in ATTENTION:
             out_dim, in_dim = shapes[f"{root}.layers.{layer}.self_attn.{module}.weight"]
-            if layer == 2:
+            if layer in kt_wrapper_layers:
                 prefix = f"base_model.model.{root}.orig_module.layers.{layer}.self_attn.{module}.orig_module"
             else:
                 prefix = f"base_model.model.{root}.layers.{layer}.self_attn.{module}"
@@ -133,7 +135,7 @@ def _converted(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 @pytest.mark.slow
 def test_kt_fused_result_is_kt_kernels_own_conversion(tmp_path: Path, fixture_dir) -> None:
     base = fixture_dir("bf16")
-    adapter = make_kt_adapter(base, tmp_path / "train" / "checkpoint-6")
+    adapter = make_kt_adapter(base, tmp_path / "train" / "checkpoint-6", kt_wrapper_layers=(2,))
     out = tmp_path / "store" / "sglang-adapter"
     lines: list[str] = []
     result = convert_lora(adapter, out, base_dir=base, serve_python=SERVE_PYTHON, on_line=lines.append)
@@ -268,7 +270,7 @@ REJECTIONS = {
               r"'model\.layers\.0\.self_attn\.q_b_proj\.weight' is \[192, 128\], so lora_B must be \[192, 8\]"),
     "experts-on-dense-layer": (_dense_layer_experts, None, True, True,
                                r"layers\.0\.experts\.down_lora_a': is expert LoRA for layer 0, but the base"),
-    "kt-wrapper-in-plain-peft": (None, None, False, False,
+    "kt-wrapper-in-plain-peft": (lambda p, e, c: _wrap_layer(p, 2), None, False, False,
                                  r"orig_module\.layers\.2\.self_attn\.\w+\.orig_module\.lora_A\.weight'.*does not "
                                  r"have.*wrapper name '\.orig_module'"),
     "target-modules-disagree": (lambda p, e, c: c["target_modules"].remove("o_proj"), None, True, True,
@@ -278,6 +280,14 @@ REJECTIONS = {
                              r"adapter_model\.safetensors.*truncated"),
     "alpha-missing": (lambda p, e, c: c.pop("lora_alpha"), None, True, True, r"lora_alpha: is None"),
 }
+
+
+def _wrap_layer(peft: dict[str, torch.Tensor], layer: int) -> None:
+    """Rename one layer's attention LoRA keys to KTransformers' wrapper form (``.orig_module``)."""
+    for key in [k for k in peft if f".layers.{layer}.self_attn." in k]:
+        module, matrix = key.rsplit(".lora_", 1)
+        root, rest = module.split(f".layers.{layer}.", 1)
+        peft[f"{root}.orig_module.layers.{layer}.{rest}.orig_module.lora_{matrix}"] = peft.pop(key)
 
 
 @pytest.mark.parametrize("case", sorted(REJECTIONS))

@@ -361,3 +361,14 @@ def test_recipe_is_a_json_schema_for_the_ui() -> None:
     schema = Recipe.model_json_schema()
     assert {"source", "dataset", "sft", "serving"} <= set(schema["required"])
     assert schema["$defs"]["SftConfig"]["additionalProperties"] is False
+
+
+def test_cpu_activation_recompute_needs_gpu_gradient_checkpointing() -> None:
+    # LlamaFactory-kt refuses it at launch (get_kt_activation_policy); found on the GPU host.
+    message = rejected("qwen3-30b-a3b-bf16.yaml", "sft.kt_cpu_activation=recompute",
+                       "sft.disable_gradient_checkpointing=true")
+    assert "sft.kt_cpu_activation: 'recompute' needs GPU gradient checkpointing" in message
+    assert "use kt_cpu_activation: retain" in message
+    for ok in (["sft.kt_cpu_activation=retain", "sft.disable_gradient_checkpointing=true"],
+               ["sft.kt_cpu_activation=null", "sft.disable_gradient_checkpointing=true"]):  # unset: follows the GPU side
+        load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", ok)

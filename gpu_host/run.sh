@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# Run ktflow's KT 0.7 path on a GPU + AMX host without network (see gpu_host/README.md).
+#
+#   gpu_host/run.sh STEP...      steps: setup bf16 rawint4 killresume-bf16 convert-bf16 convert-rawint4
+#                                       losscheck-bf16 losscheck-rawint4 collect   (or: all)
+#
+# Inputs (made on a machine with network, carried in ignored paths):
+#   build/gpu-host/parts/bundle.tar.gz.NN   gpu_host/build_bundle.py (the KT training toolchain)
+#   build/gpu-host/inputs/                  gpu_host/make_inputs.py (tiny models + records)
+# Outputs: build/gpu-host/store (runs, adapters, converted adapters), build/gpu-host/results
+# (timings.jsonl, loss reports, key summaries); RESULTS_OUT=DIR also gets results.tar.gz.
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$REPO"
+B=build/gpu-host
+RES=$B/results
+mkdir -p "$RES"
+PY="$REPO/$B/bundle/bin/python"
+export KTFLOW_SRC="$REPO" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+stamp() {  # stamp NAME START_EPOCH RC
+  python3 -c 'import json,sys,time; print(json.dumps({"step":sys.argv[1],"seconds":round(time.time()-float(sys.argv[2]),1),"rc":int(sys.argv[3])}))' "$@" >>"$RES/timings.jsonl"
+}
+# NAME -> recipe and store: bf16, rawint4 (store build/gpu-host/store); bf16-resumed: the bf16 recipe in
+# its own store (build/gpu-host/store-kill), killed mid-run and resumed.
+recipe_of() { echo "gpu_host/tiny-kt-${1%-resumed}.yaml"; }
+store_of() { case "$1" in *-resumed) echo "$B/store-kill" ;; *) echo "$B/store" ;; esac; }
+run_dir() {  # the newest run directory of NAME
+  { ls -td "$(store_of "$1")"/runs/tiny-kt-"${1%-resumed}"-* 2>/dev/null || true; } | { grep -v "\.lock$" || true; } | head -1
+}
+gpu_mem_watch() {  # peak GPU memory (MiB) while a step runs
+  ( peak=0; while sleep 0.5; do m=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1);
+      [ "${m:-0}" -gt "$peak" ] && peak=$m && echo "$peak" >"$RES/gpu_peak_$1.mib"; done ) &
+  WATCH=$!
+}
+
+step_setup() {
+  local t=$(date +%s)
+  if [ ! -x "$PY" ] || ! cmp -s "$B/parts/bundle.sha256" "$B/bundle/.parts.sha256"; then
+    rm -rf "$B/bundle"
+    cat "$B"/parts/bundle.tar.gz.* | tee >(sha256sum | awk '{print $1"  bundle.tar.gz"}' >"$B/.got.sha256") | tar xz -C "$B"
+    cmp -s "$B/.got.sha256" "$B/parts/bundle.sha256" || { echo "bundle parts corrupt"; exit 2; }
+    cp "$B/parts/bundle.sha256" "$B/bundle/.parts.sha256"
+  fi
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    grep -o -w 'amx_[a-z0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; nproc
+    "$PY" -c 'import torch, transformers, peft, accelerate, llamafactory, kt_kernel; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "accelerate", accelerate.__version__, "kt_kernel", kt_kernel.__version__)'
+  } | tee "$RES/host.txt"
+  stamp setup "$t" 0
+}
+
+sft_argv() { echo "-m ktflow.cli sft $(recipe_of "$1") --set store.root=../$(store_of "$1")"; }
+sft() {  # sft NAME -> ktflow sft gpu_host/tiny-kt-NAME.yaml, as a user starts it
+  # shellcheck disable=SC2046
+  "$PY" $(sft_argv "$1") 2>&1 | tee -a "$RES/sft-$1.log"
+  return "${PIPESTATUS[0]}"
+}
+
+step_train() {  # train NAME
+  local t=$(date +%s) rc=0
+  gpu_mem_watch "$1"
+  sft "$1" || rc=$?
+  kill "$WATCH" 2>/dev/null || true
+  stamp "sft-$1" "$t" "$rc"
+  return "$rc"
+}
+
+step_killresume() {  # killresume NAME: kill -9 the whole training mid-run, then rerun ktflow sft
+  local name=$1-resumed t=$(date +%s) rc=0
+  rm -rf "$(store_of "$name")"
+  gpu_mem_watch "$name"
+  # shellcheck disable=SC2046
+  setsid "$PY" $(sft_argv "$name") >"$RES/sft-$name-killed.log" 2>&1 &
+  local pid=$!
+  local deadline=$(( $(date +%s) + 400 ))
+  # wait for checkpoint-24 to be complete and a step past it logged, then kill mid-step
+  until [ -n "$(run_dir "$name")" ] && [ -f "$(run_dir "$name")/output/checkpoint-24/trainer_state.json" ] \
+        && grep -q '"current_steps": 2[6-9]' "$(run_dir "$name")/output/trainer_log.jsonl" 2>/dev/null; do
+    sleep 0.5
+    if ! kill -0 "$pid" 2>/dev/null; then echo "training ended before the kill point"; tail -30 "$RES/sft-$name-killed.log"; return 1; fi
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "kill point not reached"; kill -9 -- -"$pid"; return 1; }
+  done
+  kill -9 -- -"$pid"
+  wait "$pid" 2>/dev/null || true
+  local killed_at
+  killed_at=$(tail -1 "$(run_dir "$name")/output/trainer_log.jsonl")
+  echo "{\"killed_after\": $killed_at}" >"$RES/kill-$name.json"
+  ls "$(run_dir "$name")/output" >>"$RES/kill-$name.json"
+  stamp "sft-$name-until-kill" "$t" 0
+  t=$(date +%s)
+  sft "$name" || rc=$?
+  kill "$WATCH" 2>/dev/null || true
+  stamp "sft-$name-resume" "$t" "$rc"
+  return "$rc"
+}
+
+adapter_of() { echo "$(run_dir "$1")/adapter"; }
+base_of() { python3 -c 'import sys,yaml; print("gpu_host/" + yaml.safe_load(open(sys.argv[1]))["source"]["local_path"])' "$(recipe_of "$1")"; }
+
+step_convert() {  # convert NAME
+  local name=$1 t=$(date +%s) rc=0 base
+  base=$(base_of "$name")
+  "$PY" gpu_host/kt_summary.py "$(adapter_of "$name")" >"$RES/kt-adapter-$name.txt" 2>&1 || true
+  "$PY" -m ktflow.cli convert-lora "$(adapter_of "$name")" "$B/store/converted/$name" --base "$base" \
+      --serve-python "$PY" 2>&1 | tee "$RES/convert-$name.log" || rc=$?
+  [ "$rc" = 0 ] && "$PY" gpu_host/kt_summary.py "$B/store/converted/$name" >"$RES/converted-$name.txt" 2>&1 || true
+  stamp "convert-$name" "$t" "$rc"
+  return "$rc"
+}
+
+step_losscheck() {  # losscheck NAME
+  local name=$1 t=$(date +%s) base
+  base=$(base_of "$name")
+  if [ "$name" = rawint4 ]; then  # the served base of a RAWINT4 run: ktflow's bit-exact BF16 of the INT4 source
+    "$PY" -m ktflow.cli dequantize "$base" "$B/store/bf16-$name" 2>&1 | tail -3
+    base="$B/store/bf16-$name"
+  fi
+  "$PY" gpu_host/loss_check.py tokens "$(run_dir "$name")" "$RES/tokens-$name.json"
+  for v in base full no-experts transposed; do
+    python3 gpu_host/loss_check.py loss "$base" "$B/store/converted/$name" "$RES/tokens-$name.json" --variant "$v" \
+        --json "$RES/loss-$name-$v.json" || echo "variant $v failed"
+  done
+  stamp "losscheck-$name" "$t" 0
+}
+
+step_collect() {
+  local t=$(date +%s)
+  for name in bf16 rawint4 bf16-resumed; do
+    d=$(run_dir "$name"); [ -n "$d" ] || continue
+    mkdir -p "$RES/run-$name"
+    cp "$d"/output/trainer_log.jsonl "$d"/output/training_loss.png "$d"/train.yaml "$d"/accelerate.yaml "$RES/run-$name/" 2>/dev/null || true
+    cp "$d"/adapter/manifest.json "$d"/adapter/*.json "$RES/run-$name/" 2>/dev/null || true
+    tail -60 "$d/train.log" >"$RES/run-$name/train.log.tail" 2>/dev/null || true
+    ls -la "$d" "$d/output" "$d/adapter" >"$RES/run-$name/listing.txt" 2>&1 || true
+  done
+  stamp collect "$t" 0
+  if [ -n "${RESULTS_OUT:-}" ]; then tar czf "$RESULTS_OUT/results.tar.gz" -C "$B" results; fi
+}
+
+steps=("$@")
+[ "${steps[0]:-}" = all ] && steps=(setup bf16 convert-bf16 losscheck-bf16 rawint4 convert-rawint4 losscheck-rawint4
+                                     killresume-bf16 convert-bf16-resumed losscheck-bf16-resumed collect)
+status=0
+for s in "${steps[@]}"; do
+  echo "=== $s"
+  case "$s" in
+    setup) step_setup ;;
+    bf16|rawint4|bf16-resumed) step_train "$s" || status=1 ;;
+    killresume-*) step_killresume "${s#killresume-}" || status=1 ;;
+    convert-*) step_convert "${s#convert-}" || status=1 ;;
+    losscheck-*) step_losscheck "${s#losscheck-}" || status=1 ;;
+    collect) step_collect ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
+exit $status

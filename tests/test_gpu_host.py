@@ -1,0 +1,146 @@
+"""KT 0.7 for real on a GPU + AMX host: training through `ktflow sft`, kt-kernel's conversion, and
+proof that base + converted adapter (plain transformers + PEFT) has the loss KT reported.
+
+Runs only where an AMX CPU and a CUDA GPU are present and the offline bundle and inputs exist
+(gpu_host/build_bundle.py, gpu_host/make_inputs.py, made on a machine with network); elsewhere
+every test is skipped with the reason. One command on such a host:
+
+    python3 -m pytest tests/test_gpu_host.py -q     # runs gpu_host/run.sh once (~6 min), then checks
+
+(The host's python needs pytest; with the bundle, `build/gpu-host/bundle/bin/python -m pytest` works
+where pytest is installed.) GPU_HOST_RESULTS=DIR checks the results of an earlier run instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = REPO / "build" / "gpu-host"
+RESULTS = Path(os.environ.get("GPU_HOST_RESULTS", BUILD / "results"))
+# Served loss vs KT's reported loss (mean of the last epoch's 12 logged steps). Why 0.03: the
+# training loss is averaged over an epoch while the weights still move (cosine LR, 15% -> 0 of
+# peak), KT's logged losses are BF16-rounded and computed with BF16 AMX experts on the CPU
+# (the check runs in float32 on the GPU), and the batch-of-4 token weighting differs from the
+# check's global one. Measured: 0.003 (BF16), 0.010 (RAWINT4). Dropping or transposing the
+# expert LoRA moves the loss by > 5, i.e. > 150x this tolerance.
+LOSS_TOLERANCE = 0.03
+
+
+def _has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags for f in ("amx_tile", "amx_bf16", "amx_int8"))
+
+
+def _has_cuda_gpu() -> bool:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        return subprocess.run([exe, "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _skip_reason() -> str | None:
+    if "GPU_HOST_RESULTS" in os.environ:
+        return None if RESULTS.is_dir() else f"GPU_HOST_RESULTS={RESULTS} does not exist"
+    if not _has_amx():
+        return "needs a CPU with AMX (amx_tile, amx_bf16, amx_int8): KT SFT kernels for this host class"
+    if not _has_cuda_gpu():
+        return "needs a CUDA GPU (nvidia-smi -L): KT 0.7 SFT trains attention on the GPU"
+    if not list((BUILD / "parts").glob("bundle.tar.gz.*")) and not (BUILD / "bundle" / "bin" / "python").exists():
+        return "no KT training bundle: run gpu_host/build_bundle.py on a machine with network and copy build/gpu-host"
+    if not (BUILD / "inputs" / "dsv3-bf16" / "config.json").exists():
+        return "no inputs: run gpu_host/make_inputs.py on a machine with network and copy build/gpu-host/inputs"
+    return None
+
+
+_REASON = _skip_reason()
+pytestmark = [pytest.mark.gpu_host, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+NAMES = ["bf16", "rawint4"]
+
+
+@pytest.fixture(scope="module")
+def results() -> Path:
+    if "GPU_HOST_RESULTS" not in os.environ:
+        steps = ["setup", "bf16", "convert-bf16", "losscheck-bf16", "rawint4", "convert-rawint4",
+                 "losscheck-rawint4", "killresume-bf16", "collect"]
+        subprocess.run([str(REPO / "gpu_host" / "run.sh"), *steps], cwd=REPO, timeout=1800)
+    return RESULTS
+
+
+def _losses(results: Path, name: str) -> list[float]:
+    log = results / f"run-{name}" / "trainer_log.jsonl"
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
+
+
+def _report(results: Path, name: str, variant: str) -> dict:
+    return json.loads((results / f"loss-{name}-{variant}.json").read_text())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kt_training_loss_falls_and_the_adapter_is_published(results: Path, name: str) -> None:
+    losses = _losses(results, name)
+    assert len(losses) == 72
+    assert losses[0] > 9 and sum(losses[-12:]) / 12 < 0.5, losses
+    manifest = json.loads((results / f"run-{name}" / "manifest.json").read_text())
+    assert manifest["stage"] == "sft" and manifest["extra"]["steps"] == 72
+    kt = json.loads((results / f"run-{name}" / "kt_adapter_manifest.json").read_text())
+    assert kt["status"] == "ready" and kt["expert_weight_format"] == name
+    assert kt["artifacts"]["fused_expert_lora.safetensors"]["tensor_count"] == 12
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_served_loss_is_the_trained_loss(results: Path, name: str) -> None:
+    trained = sum(_losses(results, name)[-12:]) / 12
+    full, base = _report(results, name, "full"), _report(results, name, "base")
+    assert full["expert_modules_merged"] == 48 and full["peft_loaded"] == 30 and not full["peft_unexpected"]
+    assert abs(full["loss"] - trained) <= LOSS_TOLERANCE, (full["loss"], trained)
+    assert full["loss"] < base["loss"] - 5
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("variant", ["no-experts", "transposed"])
+def test_dropped_or_transposed_expert_lora_fails_the_check(results: Path, name: str, variant: str) -> None:
+    trained = sum(_losses(results, name)[-12:]) / 12
+    assert abs(_report(results, name, variant)["loss"] - trained) > 10 * LOSS_TOLERANCE
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transposed_expert_lora_is_refused_by_convert_lora_validation(tmp_path: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ktflow.convert_lora import validate_adapter
+    from ktflow.errors import AdapterError
+
+    converted = BUILD / "store" / "converted" / name
+    if not converted.is_dir():
+        pytest.skip(f"{converted} is not on this machine (results checked from elsewhere)")
+    base = next(p for p in (BUILD / "inputs").iterdir() if p.name.startswith("dsv3" if name == "bf16" else "kimi"))
+    bad = tmp_path / "bad"
+    shutil.copytree(converted, bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    tensors = {k: (v.T.contiguous() if ".experts." in k else v) for k, v in tensors.items()}
+    save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    validate_adapter(converted, base)
+    with pytest.raises(AdapterError, match="experts"):
+        validate_adapter(bad, base)
+
+
+@pytest.mark.xfail(reason="KT 0.7.2 resume on the host's torch 2.11 fails in torch.distributed.checkpoint "
+                          "set_model_state_dict: 'Multiple devices found' (CPU experts + GPU attention)", strict=False)
+def test_kill_9_then_rerun_resumes_and_finishes(results: Path) -> None:
+    killed = (results / "kill-bf16-resumed.json").read_text()
+    assert '"current_steps": 2' in killed  # killed after checkpoint-24, mid-epoch 3
+    losses = _losses(results, "bf16-resumed")
+    assert len(losses) == 72 and abs(losses[-1] - _losses(results, "bf16")[-1]) < LOSS_TOLERANCE
