@@ -218,6 +218,10 @@ class SftConfig(_Strict):
     seed: int = 42
     bf16: bool = True
     disable_gradient_checkpointing: bool = False
+    fsdp_offload_params: bool = Field(
+        True, description="KT: FSDP2 keeps the non-expert parameters in CPU RAM (less GPU memory, as KT's "
+        "example config). Resuming from a checkpoint fails with it on torch 2.11 ('Multiple devices found' in "
+        "torch.distributed.checkpoint); false resumes (checked on the GPU host)")
     # KTransformers 0.7 (backend: kt)
     kt_cpu_activation: Literal["recompute", "retain"] | None = None
     kt_config: KtConfig | None = None

@@ -210,7 +210,7 @@ def render_sft(
                 "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                 "fsdp_transformer_layer_cls_to_wrap": decoder_layer_class(recipe, model_config),
                 "fsdp_cpu_ram_efficient_loading": True,
-                "fsdp_offload_params": True,
+                "fsdp_offload_params": sft.fsdp_offload_params,
                 "fsdp_reshard_after_forward": True,
                 "fsdp_state_dict_type": "FULL_STATE_DICT",
                 "fsdp_sync_module_states": True,

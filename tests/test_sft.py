@@ -48,6 +48,9 @@ def test_kt_07_renders_accelerate_fsdp2_launch(name: str) -> None:
     assert plan.accelerate_config is not None
     assert plan.accelerate_config["num_processes"] == recipe.sft.gpus
     assert plan.accelerate_config["fsdp_config"]["fsdp_version"] == 2
+    assert plan.accelerate_config["fsdp_config"]["fsdp_offload_params"] is True  # KT's example config
+    _, no_offload = render(name, "sft.fsdp_offload_params=false")  # what resumes on torch 2.11 (GPU host)
+    assert no_offload.accelerate_config["fsdp_config"]["fsdp_offload_params"] is False
     cfg = plan.train_config
     assert cfg["use_kt"] is True and cfg["kt_weight_path"] == "/tmp/x/model"
     assert set(cfg["kt_config"]) <= KT_ALLOWED
