@@ -5,10 +5,11 @@ Runs only where an AMX CPU and a CUDA GPU are present and the offline bundle and
 (gpu_host/build_bundle.py, gpu_host/make_inputs.py, made on a machine with network); elsewhere
 every test is skipped with the reason. One command on such a host:
 
-    python3 -m pytest tests/test_gpu_host.py -q     # runs gpu_host/run.sh once (~6 min), then checks
+    bash gpu_host/run.sh setup && build/gpu-host/bundle/bin/python -m pytest tests/test_gpu_host.py -q
 
-(The host's python needs pytest; with the bundle, `build/gpu-host/bundle/bin/python -m pytest` works
-where pytest is installed.) GPU_HOST_RESULTS=DIR checks the results of an earlier run instead.
+It runs gpu_host/run.sh's steps once (about 7 minutes on the H100 host), then checks. The bundle's
+python is the host's python3 with the bundle first on its path (ktflow needs its pydantic; pytest
+comes from the host). GPU_HOST_RESULTS=DIR checks the results of an earlier run instead.
 """
 
 from __future__ import annotations
