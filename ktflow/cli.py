@@ -406,7 +406,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.print(result.table, markup=False)
     out.print(f"adapter applied: {'yes' if result.adapter_applied else 'NO'}; promoted: "
               f"{'yes' if result.promoted else 'no'} (on {result.gate_metric}); report: {result.report_md}")
-    failure = result.gate_failure(recipe.evaluation.gate_min_gain)
+    failure = result.gate_failure()
     if failure:
         from ktflow.errors import PromotionGateError
 

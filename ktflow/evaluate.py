@@ -338,11 +338,12 @@ class EvaluationResult(BaseModel):
     probes: list[dict[str, Any]]
     gate_metric: str  # the metric promotion was judged on
     gate_enforced: bool  # the recipe set gate_metric: a tuned model that is not promoted fails the run
+    gate_min_gain: float  # the points on gate_metric the tuned model had to gain over the base
     promoted: bool  # adapter applied and the tuned model gained at least gate_min_gain on gate_metric
     report_json: Path
     report_md: Path
 
-    def gate_failure(self, min_gain: float) -> str | None:
+    def gate_failure(self) -> str | None:
         """Why an enforced gate failed (None: it passed or is not enforced)."""
         if not self.gate_enforced or self.promoted:
             return None
@@ -350,7 +351,7 @@ class EvaluationResult(BaseModel):
         if not self.adapter_applied:
             return "the tuned model answers exactly like the base model: the adapter is not applied"
         return (f"the tuned model's {self.gate_metric} is {t:.2f} against the base's {b:.2f} ({t - b:+.2f} points); "
-                f"the promotion gate asks for at least {min_gain:+.2f}")
+                f"the promotion gate asks for at least {self.gate_min_gain:+.2f}")
 
 
 def evaluate_base_vs_tuned(
@@ -431,5 +432,5 @@ def evaluate_base_vs_tuned(
                                     "promoted": promoted})
     atomic_write_bytes(report_md, ("\n".join(md) + "\n").encode())
     return EvaluationResult(base=base, tuned=tuned, table=table, adapter_applied=applied, probes=probes,
-                            gate_metric=gate, gate_enforced=enforced, promoted=promoted, report_json=report_json,
-                            report_md=report_md)
+                            gate_metric=gate, gate_enforced=enforced, gate_min_gain=cfg.gate_min_gain,
+                            promoted=promoted, report_json=report_json, report_md=report_md)

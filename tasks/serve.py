@@ -70,7 +70,7 @@ def evaluate_task(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> Evaluat
         from ktflow.errors import KtflowError
 
         raise KtflowError("the tuned endpoint answers exactly like the base model: the adapter is not applied")
-    failure = result.gate_failure(recipe.evaluation.gate_min_gain)
+    failure = result.gate_failure()
     if failure:
         raise PromotionGateError(f"{failure}; report: {result.report_md}")
     return result

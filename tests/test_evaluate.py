@@ -332,7 +332,8 @@ def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
     assert result.adapter_applied and result.gate_metric == "rouge-l"
     assert result.promoted is promoted and promoted == (gain >= min_gain), gain
     assert result.gate_enforced is (gate is not None)
-    failure = result.gate_failure(min_gain)
+    assert result.gate_min_gain == min_gain
+    failure = result.gate_failure()
     assert (failure is not None) is fails_run
     if failure:
         assert f"the promotion gate asks for at least +{min_gain:.2f}" in failure and f"{gain:+.2f} points" in failure
