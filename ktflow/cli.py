@@ -24,7 +24,8 @@ from ktflow.errors import InvalidInputError, KtflowError
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-FIXTURE_KINDS = ("kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16")
+# ktflow.fixtures.FIXTURE_KINDS, spelled out so that `ktflow --help` does not import torch (a test keeps them equal)
+FIXTURE_KINDS = ("kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16", "deepseek-v2-lite")
 DEMO_RECIPE = Path("recipes/tiny-demo.yaml")
 
 
@@ -108,12 +109,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_fixture(args: argparse.Namespace) -> int:
     from ktflow.fixtures import FixtureSpec, make_fixture
 
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     spec = FixtureSpec(
         kind=args.kind, layers=args.layers, experts=args.experts, hidden=args.hidden,
-        moe_intermediate=args.moe_intermediate, seed=args.seed,
+        moe_intermediate=args.moe_intermediate, seed=args.seed, full_size=args.full_size,
     )
-    path = make_fixture(spec, Path(args.out_dir))
-    err.print(f"wrote {spec.kind} fixture to {path}")
+    columns = (TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("shards", total=None)
+        path = make_fixture(spec, Path(args.out_dir),
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    err.print(f"wrote {spec.kind}{' (full size)' if spec.full_size else ''} fixture to {path}")
     return 0
 
 
@@ -647,6 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=_positive_int, default=256)
     p.add_argument("--moe-intermediate", type=_positive_int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full-size", action="store_true",
+                   help="deepseek-v2-lite only: the real model's dimensions (15.7B parameters, 31 GB on disk)")
 
     p = add("inspect", cmd_inspect, "detect a checkpoint's format and validate its files")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")

@@ -3,7 +3,9 @@
 :func:`make_fixture` writes a random DeepSeek-V3-architecture model in one of four on-disk
 formats (see :data:`FixtureKind`), with the real checkpoints' tensor names, dtypes, config
 layout, sharding and companion tensors, plus a trained byte-level BPE tokenizer with a ChatML
-template. Quantized bytes are produced by compressed-tensors itself (the reference library),
+template. The ``deepseek-v2-lite`` kind is a BF16 ``DeepseekV2ForCausalLM``; with
+``full_size`` it has DeepSeek-V2-Lite's real dimensions (15.7B parameters, 31 GB), for
+benchmarks that need the real model's cost without downloading it. Quantized bytes are produced by compressed-tensors itself (the reference library),
 not by ktflow's own decoder, so tests that decode them compare two independent codes.
 
 Every kind built from the same ``seed`` quantizes the same BF16 weights, so a decoded
@@ -14,19 +16,23 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from safetensors.torch import save_file
 
 from ktflow.errors import InvalidInputError
 
-FixtureKind = Literal["kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16"]
+FixtureKind = Literal["kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16", "deepseek-v2-lite"]
 FIXTURE_KINDS: tuple[str, ...] = get_args(FixtureKind)
 
 INT4_GROUP_SIZE = 32
@@ -101,6 +107,11 @@ class FixtureSpec(BaseModel):
         "clear margin on a random model, and LoRA cannot fix that without lm_head in its targets, which makes "
         "PEFT save lm_head whole (SGLang ignores it): a model meant to be taught, like the demo's, uses 0.2.")
 
+    full_size: bool = Field(
+        False, description="deepseek-v2-lite only: DeepSeek-V2-Lite's real dimensions (27 layers, 64 routed + 2 "
+        "shared experts, 6 active, hidden 2048, MoE intermediate 1408, MLA kv_lora_rank 512, vocab 102400; "
+        "15.7B parameters, 31 GB) instead of layers/experts/hidden/moe_intermediate.")
+
     @field_validator("kind", mode="before")
     @classmethod
     def _known_kind(cls, value: object) -> object:
@@ -142,12 +153,34 @@ class FixtureSpec(BaseModel):
             )
         return value
 
+    @model_validator(mode="after")
+    def _full_size_rules(self) -> FixtureSpec:
+        if not self.full_size:
+            return self
+        if self.kind != "deepseek-v2-lite":
+            raise InvalidInputError(f"--full-size with {self.kind}", "only deepseek-v2-lite has a full-size form.",
+                                    "drop --full-size, or use the deepseek-v2-lite kind.")
+        tiny_dims = {name: getattr(self, name) for name in ("layers", "experts", "hidden", "moe_intermediate")
+                     if getattr(self, name) != type(self).model_fields[name].default}
+        if tiny_dims:
+            options = ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in tiny_dims.items())
+            raise InvalidInputError(options, "--full-size uses DeepSeek-V2-Lite's own dimensions.",
+                                    f"drop {options}, or drop --full-size.")
+        return self
 
-def make_fixture(spec: FixtureSpec, out_dir: str | Path) -> Path:
+
+ProgressCallback = Callable[[int, int], None]
+"""``progress(done, total)``: shards written so far, of ``total``."""
+
+
+def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCallback | None = None) -> Path:
     """Generate the checkpoint ``spec`` describes in ``out_dir`` and return ``out_dir``.
 
     Built in a temporary sibling directory and renamed into place at the end, so ``out_dir``
     is either complete or absent.
+
+    Args:
+        progress: called after each shard is written (the full-size kind takes about a minute).
 
     Raises:
         InvalidInputError: ``out_dir`` exists and is not an empty directory.
@@ -162,7 +195,10 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path) -> Path:
     build_dir = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     build_dir.mkdir()
     try:
-        _build(spec, build_dir)
+        if spec.kind == "deepseek-v2-lite":
+            _build_deepseek_v2_lite(spec, build_dir, progress)
+        else:
+            _build(spec, build_dir)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
         build_dir.rename(out_dir)
@@ -172,7 +208,8 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _build(spec: FixtureSpec, build_dir: Path) -> None:
+def _save_tokenizer(build_dir: Path) -> tuple[int, int, int]:
+    """Write the fixture tokenizer; return its (vocabulary size, eos id, pad id)."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
@@ -184,8 +221,13 @@ def _build(spec: FixtureSpec, build_dir: Path) -> None:
     )
     tokenizer.save_pretrained(build_dir)
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    return len(tokenizer), eos_id, pad_id
 
-    text_config, tensors = _bf16_model(spec, vocab_size=len(tokenizer), eos_id=eos_id, pad_id=pad_id,
+
+def _build(spec: FixtureSpec, build_dir: Path) -> None:
+    vocab_size, eos_id, pad_id = _save_tokenizer(build_dir)
+
+    text_config, tensors = _bf16_model(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
                                        scratch=build_dir / ".scratch")
     quantization_config: dict | None = None
     if spec.kind in ("kimi-k2.5", "kimi-k2"):
@@ -310,6 +352,122 @@ def _bf16_model(
     shutil.rmtree(scratch)
     tensors.update(biases)  # real checkpoints keep the routing bias in float32
     return text_config, tensors
+
+
+# DeepSeek-V2-Lite's published dimensions (deepseek-ai/DeepSeek-V2-Lite, config.json).
+_V2_LITE_DIMS: dict[str, int] = {
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+}
+
+
+def _deepseek_v2_lite_config(spec: FixtureSpec, *, vocab_size: int, eos_id: int, pad_id: int):
+    """DeepSeek-V2-Lite's structure (no q LoRA, 2 shared experts, greedy softmax top-6 routing, YaRN
+    RoPE) at its real dimensions (``full_size``) or at the spec's tiny ones."""
+    from transformers import DeepseekV2Config
+
+    if spec.full_size:
+        dims = dict(_V2_LITE_DIMS)
+    else:
+        dims = {"vocab_size": vocab_size, "hidden_size": spec.hidden, "intermediate_size": 3 * spec.moe_intermediate,
+                "moe_intermediate_size": spec.moe_intermediate, "num_hidden_layers": spec.layers,
+                "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": spec.experts,
+                "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
+    return DeepseekV2Config(
+        **dims,
+        q_lora_rank=None,
+        n_shared_experts=2,
+        num_experts_per_tok=min(6, dims["n_routed_experts"]),
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707},
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+    )
+
+
+def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: ProgressCallback | None) -> None:
+    """A random BF16 ``DeepseekV2ForCausalLM``, one shard per layer, streamed.
+
+    The full-size model (31 GB) is never held whole: transformers builds and saves a 2-layer
+    model of the same width (the dense layer 0 and MoE layer 1, plus embeddings, norm and
+    lm_head), which gives the real on-disk names, shapes and init; every later MoE layer repeats
+    layer 1's tensors with fresh seeded values (norms 1, the rest N(0, initializer_range)),
+    generated on all cores one layer at a time.
+    """
+    from safetensors.torch import load_file
+    from transformers import DeepseekV2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    vocab_size, eos_id, pad_id = _save_tokenizer(build_dir)
+    config = _deepseek_v2_lite_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
+    num_layers = config.num_hidden_layers
+    template_config = config.__class__(**{**config.to_dict(), "num_hidden_layers": 2})
+    scratch = build_dir / ".scratch"
+    hf_logging.disable_progress_bar()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = DeepseekV2ForCausalLM(template_config)
+        if spec.lm_head_std is not None:
+            torch.nn.init.normal_(model.lm_head.weight, std=spec.lm_head_std)
+        model.to(torch.bfloat16).save_pretrained(scratch)
+    del model
+    template: dict[str, torch.Tensor] = {}
+    for shard in sorted(scratch.glob("*.safetensors")):
+        template.update(load_file(shard))
+    saved_config = json.loads((scratch / "config.json").read_text())
+    shutil.rmtree(scratch)
+    saved_config["num_hidden_layers"] = num_layers
+    _write_json(build_dir / "config.json", saved_config)
+    _write_json(build_dir / "generation_config.json",
+                {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False})
+
+    std = config.initializer_range
+    moe_layer = {name: t for name, t in template.items() if ".layers.1." in name}
+
+    def fresh(name: str, like: torch.Tensor) -> torch.Tensor:
+        if like.dim() == 1 and name.endswith("norm.weight"):
+            return torch.ones_like(like)
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:{name}".encode()))
+        return torch.randn(like.shape, generator=generator).mul_(std).to(like.dtype)
+
+    def shards() -> Iterator[dict[str, torch.Tensor]]:
+        yield {n: t for n, t in template.items() if ".layers." not in n and not n.endswith(("model.norm.weight",
+               "lm_head.weight"))} | {n: t for n, t in template.items() if ".layers.0." in n}
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for layer in range(1, num_layers):
+                if layer == 1:
+                    members = dict(moe_layer)
+                else:
+                    names = [n.replace(".layers.1.", f".layers.{layer}.") for n in moe_layer]
+                    members = dict(zip(names, pool.map(fresh, names, moe_layer.values())))
+                if layer == num_layers - 1:
+                    members |= {n: t for n, t in template.items() if n.endswith(("model.norm.weight", "lm_head.weight"))}
+                yield members
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, members in enumerate(shards()):
+        shard_name = f"model-{index + 1:05d}-of-{num_layers:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in sorted(members.items())}, build_dir / shard_name,
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(members, shard_name))
+        total += sum(t.numel() * t.element_size() for t in members.values())
+        if progress is not None:
+            progress(index + 1, num_layers)
+    _write_json(build_dir / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
 def _pack_routed_experts_int4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

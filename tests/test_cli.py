@@ -182,3 +182,21 @@ def test_demo_finds_its_checkout_from_any_directory(tmp_path: Path) -> None:
         assert _demo_checkout() == REPO  # the checkout ktflow runs from
     finally:
         os.chdir(here)
+
+
+def test_fixture_kinds_in_the_cli_are_the_fixture_module_kinds() -> None:
+    from ktflow.cli import FIXTURE_KINDS as CLI_KINDS
+    from ktflow.fixtures import FIXTURE_KINDS
+
+    assert CLI_KINDS == FIXTURE_KINDS
+
+
+def test_deepseek_v2_lite_fixture_then_inspect(tmp_path: Path) -> None:
+    out = tmp_path / "v2"
+    made = ktflow("fixture", "deepseek-v2-lite", str(out), "--layers", "3")
+    assert made.returncode == 0, made.stderr
+    info = json.loads(ktflow("inspect", str(out), "--json").stdout)
+    assert info["format"] == "bf16" and info["num_layers"] == 3 and info["num_routed_experts"] == 8
+    refused = ktflow("fixture", "deepseek-v2-lite", str(tmp_path / "x"), "--full-size", "--experts", "4")
+    assert refused.returncode == 2 and "--experts 4" in refused.stderr
+    assert not (tmp_path / "x").exists()

@@ -283,3 +283,73 @@ def test_the_demo_model_is_made_once_and_replaced_when_made_from_another_spec(tm
     stale.write_text("x")
     assert ensure_demo_model(model) is True
     assert not stale.exists() and (model / "config.json").exists() and record.is_file()
+
+
+# --------------------------------------------------------------------------- deepseek-v2-lite
+
+
+def test_deepseek_v2_lite_streamed_layers_match_what_transformers_saves(fixture_dir, tmp_path: Path) -> None:
+    """Layers past the 2-layer template are generated, not saved by transformers: their names,
+    shapes and dtypes must be exactly what save_pretrained of the whole model writes."""
+    from transformers import AutoConfig, DeepseekV2ForCausalLM
+
+    path = fixture_dir("deepseek-v2-lite", layers=4)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["DeepseekV2ForCausalLM"] and config.num_hidden_layers == 4
+    assert (config.q_lora_rank, config.n_shared_experts, config.num_experts_per_tok) == (None, 2, 6)
+    with torch.random.fork_rng(devices=[]):
+        DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "whole")
+    whole = {}
+    for shard in (tmp_path / "whole").glob("*.safetensors"):
+        whole.update({n: (tuple(t.shape), str(t.dtype)) for n, t in read_header(shard).tensors.items()})
+    ours = {n: (tuple(t.shape), str(t.dtype)) for shard in set(index_of(path)["weight_map"].values())
+            for n, t in read_header(path / shard).tensors.items()}
+    assert ours == whole
+    tensors = all_tensors(path)
+    # generated layers: N(0, 0.02) weights, unit norms, each tensor its own draw
+    gen = tensors["model.layers.3.mlp.experts.5.up_proj.weight"].float()
+    assert abs(gen.std().item() - 0.02) < 0.002
+    assert torch.equal(tensors["model.layers.3.input_layernorm.weight"],
+                       torch.ones_like(tensors["model.layers.3.input_layernorm.weight"]))
+    assert not torch.equal(tensors["model.layers.2.mlp.experts.5.up_proj.weight"],
+                           tensors["model.layers.3.mlp.experts.5.up_proj.weight"])
+
+
+def test_deepseek_v2_lite_trains_natively(fixture_dir) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = fixture_dir("deepseek-v2-lite", layers=4)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(path)("The checkpoint has shards and an index.", return_tensors="pt").input_ids
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert model.model.layers[3].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_deepseek_v2_lite_full_size_has_the_real_model_dimensions() -> None:
+    """Checked on the meta device: the full-size checkpoint (31 GB) is written only on the GPU host."""
+    from transformers import DeepseekV2ForCausalLM
+
+    from ktflow.fixtures import _deepseek_v2_lite_config
+
+    spec = FixtureSpec(kind="deepseek-v2-lite", full_size=True)
+    config = _deepseek_v2_lite_config(spec, vocab_size=402, eos_id=2, pad_id=0)
+    assert (config.hidden_size, config.num_hidden_layers, config.n_routed_experts, config.n_shared_experts,
+            config.num_experts_per_tok, config.moe_intermediate_size, config.kv_lora_rank, config.vocab_size,
+            config.first_k_dense_replace) == (2048, 27, 64, 2, 6, 1408, 512, 102400, 1)
+    with torch.device("meta"):
+        model = DeepseekV2ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert 15.6e9 < params < 15.8e9, params  # DeepSeek-V2-Lite: 15.7B
+
+
+@pytest.mark.parametrize(
+    ("dims", "option"),
+    [({"kind": "bf16"}, "--full-size with bf16"), ({"kind": "deepseek-v2-lite", "layers": 4}, "--layers 4")],
+)
+def test_full_size_refuses_other_kinds_and_tiny_dims(dims: dict, option: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        FixtureSpec(full_size=True, **dims)
+    assert str(info.value).startswith(f"{option}: ")
+    assert info.value.fix
