@@ -1,0 +1,562 @@
+"""KT vs plain LoRA SFT at DeepSeek-V2-Lite scale, and ktflow's overhead on the KT path.
+
+The seeds' write-up reports, for LoRA BF16 SFT of DeepSeek-V2-Lite on 4090-class GPUs + an AMX
+Xeon: HuggingFace 303.58 tokens/s and 32.12 GB GPU memory, KTransformers 530.38 tokens/s and
+6.08 GB. This script measures the same comparison on one host, in one work directory:
+
+    a. ``hf``:     plain LlamaFactory, HuggingFace backend, everything on the GPU
+                   (benchmarks/recipes/v2-lite-hf.yaml rendered by ``ktflow sft --dry-run``, run by hand);
+    b. ``kt``:     bare LlamaFactory-kt with the KT backend: the command ``ktflow sft`` would run
+                   (benchmarks/recipes/v2-lite-kt.yaml rendered by ``ktflow sft --dry-run``), run by hand;
+    c. ``ktflow``: ``ktflow sft benchmarks/recipes/v2-lite-kt.yaml`` on a fresh store (the same config);
+    ``ktflow-hf``: the same for leg a's recipe (c against a: ktflow's overhead where no KT can run).
+    ``kt-profile`` (optional): leg b's config in-process with ``KT_SFT_PROFILE=1`` and KT's own timers
+                   read after the warm-up steps: how much of a step the CPU experts take.
+
+Commands, on the GPU host (gpu_host/README: ``bash gpu_host/run.sh setup`` unpacks the toolchain),
+from the repository root; each phase fits one device call (10 min), and the work directory
+(build/bench-kt-vs-hf/<size>, ignored) persists between calls on a warm machine:
+
+    PY=build/gpu-host/bundle/bin/python
+    $PY benchmarks/kt_vs_hf.py prepare             # model (31 GB, ~2 min) + data + rendered plans
+    $PY benchmarks/kt_vs_hf.py run hf kt ktflow    # the three legs (or one at a time)
+    $PY benchmarks/kt_vs_hf.py run kt-profile
+    $PY benchmarks/kt_vs_hf.py report              # the table and the ratios; --json PATH as well
+
+``--size tiny`` (a 4-layer model) runs the same code on any box; on a CPU-only box only the
+``hf`` leg can run (LlamaFactory trains on the CPU there; set ``--gpus 0``).
+
+What is measured, per leg, from outside the training process (psutil and ``nvidia-smi --loop-ms``):
+- wall: the whole command; load: start -> the trainer's first logged step minus that step's
+  own time (everything before training: imports, model load, KT weight packing, data);
+- steady step: the median interval between consecutive ``trainer_log.jsonl`` lines after
+  ``--warmup`` steps (each line stamped when it appears; logging_steps is 1);
+- tokens/s: LlamaFactory's own (``throughput`` of its last log line: tokens seen / train time),
+  and trained tokens / wall time of the steps after the warm-up (``total_tokens`` deltas over
+  the stamped intervals);
+- peak GPU: ``memory.used`` of the GPU, sampled every 100 ms, minus its value before the leg;
+- peak host RSS: the sum over the leg's process tree, sampled every 250 ms (shared pages of a
+  memory-mapped checkpoint count once per process that maps them);
+- for ``ktflow``: pre-launch (start -> the launcher child seen) and post (its exit -> exit).
+``--steps N`` overrides the recipes' ``max_steps`` (8) in every leg.
+The data are synthetic dialogues (``write_dialogues``), a few hundred tokens each; the report
+prints their token lengths under the model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = {"hf": REPO / "benchmarks/recipes/v2-lite-hf.yaml", "kt": REPO / "benchmarks/recipes/v2-lite-kt.yaml"}
+LEGS = ("hf", "kt", "ktflow", "ktflow-hf", "kt-profile")
+SEEDS = {"hf": {"tokens_per_s": 303.58, "gpu_gb": 32.12}, "kt": {"tokens_per_s": 530.38, "gpu_gb": 6.08}}
+RECORDS = 256
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _common import host_info  # noqa: E402
+
+
+def default_python() -> Path:
+    bundle = REPO / "build/gpu-host/bundle/bin/python"
+    return bundle if bundle.exists() else REPO / ".venv-train/bin/python"
+
+
+# --------------------------------------------------------------------------- data
+
+
+_WORDS = ("the model expert router token layer cache weight adapter gradient memory tensor shard index config "
+          "template answer question kitten purr soft warm window sunlight nap tail whisker paw milk fish "
+          "garden morning evening quiet happy curious gentle small large bright little very really always "
+          "often never maybe today tomorrow because while after before under over with without into from").split()
+_OPENERS = ("Could you explain", "Please tell me", "I would like to know", "Describe", "Why does")
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(lo, hi))]
+    return words[0].capitalize() + " " + " ".join(words[1:]) + rng.choice((".", ".", "!", "?"))
+
+
+def write_dialogues(path: Path, n: int, seed: int = 0) -> None:
+    """``n`` synthetic chat records (OpenAI messages): a short question, a long stylized answer
+    ending in "nya~", as in NekoQA-10K's catgirl dialogues (a few hundred tokens each)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        question = f"{rng.choice(_OPENERS)} " + " ".join(_sentence(rng, 6, 14) for _ in range(rng.randint(1, 3)))
+        answer = " ".join(_sentence(rng, 8, 18) for _ in range(rng.randint(4, 8))) + " nya~"
+        lines.append(json.dumps({"messages": [{"role": "user", "content": question},
+                                              {"role": "assistant", "content": answer}]}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- children (run with the training python)
+
+
+def child_token_lengths(model: Path, data: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [tok.apply_chat_template(json.loads(line)["messages"], tokenize=False) for line in data.read_text().splitlines()]
+    lengths = sorted(len(ids) for ids in tok(texts, add_special_tokens=False).input_ids)
+    return {"records": len(lengths), "mean": round(statistics.mean(lengths), 1), "min": lengths[0],
+            "median": lengths[len(lengths) // 2], "max": lengths[-1]}
+
+
+def child_prepare_data(recipe_file: Path, overrides: list[str], dataset_dir: Path) -> None:
+    """Publish the recipe's dataset where its rendered plan reads it, as ``ktflow sft`` would."""
+    from ktflow.cli import project_dir_of
+    from ktflow.dataset import prepare_dataset
+    from ktflow.recipe import load_recipe
+
+    os.chdir(project_dir_of(recipe_file))
+    recipe = load_recipe(recipe_file, overrides)
+    model_dir = recipe.source.local_path.absolute() if recipe.source.local_path else None
+    prepare_dataset(recipe.dataset, dataset_dir, template=recipe.sft.template, model_dir=model_dir)
+
+
+def child_profile_train(train_yaml: Path, out: Path, warmup: int) -> None:
+    """LlamaFactory's own entry (``run_exp``) with one callback that reads KT's per-layer timers
+    after ``warmup`` steps and at the end; ``KT_SFT_PROFILE=1`` is set before the model exists."""
+    import yaml
+    from kt_kernel.sft import collect_kt_sft_profile, format_kt_sft_profile, reset_kt_sft_profile
+    from llamafactory.train.tuner import run_exp
+    from transformers import TrainerCallback
+
+    class KtTimers(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == warmup:
+                reset_kt_sft_profile(model)
+                self.t0 = time.perf_counter()
+            elif state.global_step == state.max_steps:
+                wall = time.perf_counter() - self.t0
+                profile = collect_kt_sft_profile(model)
+                out.write_text(json.dumps({"steps": state.global_step - warmup, "wall_s": wall, "profile": profile,
+                                           "table": format_kt_sft_profile(profile)}))
+
+    run_exp(yaml.safe_load(train_yaml.read_text()), callbacks=[KtTimers()])
+
+
+# --------------------------------------------------------------------------- measuring a leg (no torch here)
+
+
+class Sampler:
+    """Peak RSS of a process tree, peak GPU memory, when marked children run, and when each
+    ``trainer_log.jsonl`` line appears, all from outside the leg."""
+
+    def __init__(self, pid: int, trainer_log: Path, child_marker: str | None) -> None:
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.t0 = time.perf_counter()
+        self.trainer_log, self.child_marker = trainer_log, child_marker
+        self.peak_rss = 0
+        self.gpu_baseline = self.gpu_peak = _gpu_used_mib()
+        self.child_span: list[float] = []
+        self.stamps: list[tuple[float, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._tree, daemon=True),
+                         threading.Thread(target=self._log, daemon=True)]
+        self._smi = None
+        if self.gpu_baseline is not None:
+            self._smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                          "--loop-ms=100", "-i", "0"], stdout=subprocess.PIPE, text=True)
+            self._threads.append(threading.Thread(target=self._gpu, daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _tree(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self.proc, *self.proc.children(recursive=True)]
+            except psutil.Error:
+                break
+            rss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                    if self.child_marker and p.pid != self.proc.pid and self.child_marker in " ".join(p.cmdline()):
+                        self.child_span = [self.child_span[0] if self.child_span else self.now(), self.now()]
+                except psutil.Error:
+                    continue
+            self.peak_rss = max(self.peak_rss, rss)
+            self._stop.wait(0.25)
+
+    def _gpu(self) -> None:
+        assert self._smi is not None and self._smi.stdout is not None
+        for line in self._smi.stdout:
+            try:
+                self.gpu_peak = max(self.gpu_peak or 0, int(line.strip()))
+            except ValueError:
+                continue
+
+    def _log(self) -> None:
+        offset = 0
+        while not self._stop.is_set():
+            if self.trainer_log.is_file():
+                with open(self.trainer_log) as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                offset += len(complete.encode())
+                for line in complete.splitlines():
+                    try:
+                        self.stamps.append((self.now(), json.loads(line)))
+                    except ValueError:
+                        continue
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._smi is not None:
+            self._smi.terminate()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def _gpu_used_mib() -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True)
+    return int(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Path, warmup: int,
+            child_marker: str | None = None) -> dict[str, Any]:
+    """Run one leg and derive its figures (see the module docstring)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=REPO, start_new_session=True)
+        sampler = Sampler(proc.pid, trainer_log, child_marker)
+        rc = proc.wait()
+        wall = sampler.now()
+        time.sleep(0.3)  # the log follower's last poll
+        sampler.stop()
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise SystemExit(f"{' '.join(argv[:3])} ... failed (exit {rc}); last output of {log}:\n{tail}")
+    steps = [(t, rec) for t, rec in sampler.stamps if "current_steps" in rec and rec.get("loss") is not None]
+    if len(steps) <= warmup + 1:
+        raise SystemExit(f"{log}: {len(steps)} logged steps; need more than --warmup {warmup} + 1")
+    times = [t for t, _ in steps]
+    intervals = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
+    first_step = times[1] - times[0]
+    last = steps[-1][1]
+    tokens = [rec.get("total_tokens") for _, rec in steps]
+    steady_tokens_per_s = None
+    if all(isinstance(x, int) for x in tokens):
+        steady_tokens_per_s = (tokens[-1] - tokens[warmup]) / (times[-1] - times[warmup])
+    result = {
+        "wall_s": round(wall, 1),
+        "load_s": round(times[0] - first_step, 1),
+        "first_step_s": round(times[0], 1),
+        "steps": last["current_steps"],
+        "steady_step_s": round(statistics.median(intervals), 2),
+        "steady_step_spread_s": [round(min(intervals), 2), round(max(intervals), 2)],
+        "tokens_per_s_llamafactory": last.get("throughput"),
+        "tokens_per_s_steady": None if steady_tokens_per_s is None else round(steady_tokens_per_s, 1),
+        "total_tokens": last.get("total_tokens"),
+        "losses": [rec["loss"] for _, rec in steps],
+        "peak_gpu_mib": None if sampler.gpu_peak is None else sampler.gpu_peak - (sampler.gpu_baseline or 0),
+        "peak_host_rss_gib": round(sampler.peak_rss / 2**30, 2),
+        "log": str(log.relative_to(REPO)) if log.is_relative_to(REPO) else str(log),
+    }
+    if child_marker and sampler.child_span:
+        result["prelaunch_s"] = round(sampler.child_span[0], 2)
+        result["post_s"] = round(wall - sampler.child_span[1], 2)
+    return result
+
+
+# --------------------------------------------------------------------------- phases
+
+
+class Work:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.root = (REPO / "build/bench-kt-vs-hf" / args.size).absolute()
+        self.python = Path(args.python).absolute()
+        self.size, self.steps, self.warmup, self.gpus = args.size, args.steps, args.warmup, args.gpus
+        self.model, self.data = self.root / "model", self.root / "data/train.jsonl"
+        self.results = self.root / "results"
+
+    def overrides(self, store: Path, leg: str) -> list[str]:
+        sets = [f"source.local_path={self.model}", f"dataset.files=[{self.data}]", f"store.root={store}",
+                f"toolchains.train.python={self.python}", f"toolchains.serve.python={self.python}"]
+        if self.steps is not None:
+            sets.append(f"sft.max_steps={self.steps}")
+        if self.gpus is not None and leg == "hf":
+            sets.append(f"sft.gpus={self.gpus}")
+        return sets
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KTFLOW_SRC": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1"}
+
+    def child(self, *argv: str) -> str:
+        env = {**self.env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([str(self.python), __file__, *argv], env=env, cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(argv[:2])} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        return done.stdout
+
+    def ktflow(self, *argv: str) -> str:
+        done = subprocess.run([str(self.python), "-m", "ktflow.cli", *argv], env=self.env(), cwd=REPO,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"ktflow {' '.join(argv[:2])} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        return done.stdout
+
+
+def phase_prepare(work: Work) -> None:
+    work.results.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    if not (work.model / "config.json").is_file():
+        size = ["--full-size"] if work.size == "full" else ["--layers", "4", "--experts", "8"]
+        work.ktflow("fixture", "deepseek-v2-lite", str(work.model), *size)
+    model_s = time.perf_counter() - t
+    if not work.data.is_file():
+        write_dialogues(work.data, RECORDS)
+    lengths = json.loads(work.child("_token_lengths", str(work.model), str(work.data)).strip().splitlines()[-1])
+    plans = {}
+    for leg in ("hf", "kt"):
+        store = work.root / "store-bare"
+        plan = json.loads(work.ktflow("sft", str(RECIPES[leg]), "--dry-run", "--json",
+                                      *[a for s in work.overrides(store, leg) for a in ("--set", s)]))
+        dataset_dir = Path(plan["train_config"]["dataset_dir"])
+        if not dataset_dir.is_dir():
+            work.child("_prepare_data", str(RECIPES[leg]), json.dumps(work.overrides(store, leg)), str(dataset_dir))
+        plans[leg] = plan
+    (work.root / "plans.json").write_text(json.dumps(plans, indent=2))
+    total = sum(f.stat().st_size for f in work.model.glob("*.safetensors"))
+    (work.results / "prepare.json").write_text(json.dumps(
+        {"model_bytes": total, "model_s": round(model_s, 1), "token_lengths": lengths}, indent=2))
+    print(f"model {total / 1e9:.1f} GB ({model_s:.0f} s), data {lengths}", flush=True)
+
+
+def _bare_argv(work: Work, leg: str, out_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The rendered plan of ``leg``, with its YAML files written in ``out_dir``: what ktflow would run."""
+    import yaml
+
+    plan = json.loads((work.root / "plans.json").read_text())[leg]
+    out_dir.mkdir(parents=True)
+    cfg = dict(plan["train_config"], output_dir=str(out_dir / "output"))
+    if work.steps is not None:
+        cfg["max_steps"] = work.steps
+    (out_dir / "train.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if plan["accelerate_config"] is not None:
+        (out_dir / "accelerate.yaml").write_text(yaml.safe_dump(plan["accelerate_config"], sort_keys=False))
+    argv = [str(out_dir / Path(a).name) if a.endswith((".yaml", ".yml")) else a for a in plan["launch"]]
+    env = {**work.env(), "PATH": f"{work.python.parent}{os.pathsep}{os.environ.get('PATH', '')}", **plan["env"]}
+    return argv, env
+
+
+def phase_run(work: Work, leg: str) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if leg in ("hf", "kt"):
+        out_dir = work.root / "legs" / f"{leg}-{stamp}"
+        argv, env = _bare_argv(work, leg, out_dir)
+        result = measure(argv, env=env, log=out_dir / "train.log", trainer_log=out_dir / "output/trainer_log.jsonl",
+                         warmup=work.warmup)
+        result["command"] = argv
+    elif leg in ("ktflow", "ktflow-hf"):
+        backend = "hf" if leg == "ktflow-hf" else "kt"
+        store = work.root / f"store-{leg}-{stamp}"  # fresh: no cache hit, data prepared again
+        argv = [str(work.python), "-m", "ktflow.cli", "sft", str(RECIPES[backend]),
+                *[a for s in work.overrides(store, backend) for a in ("--set", s)]]
+        log = work.root / "legs" / f"{leg}-{stamp}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        follower = _NewestTrainerLog(store)
+        result = measure(argv, env=work.env(), log=log, trainer_log=follower.path, warmup=work.warmup,
+                         child_marker="llamafactory-cli")
+        result["command"] = argv
+        result["run_dir"] = str(follower.run_dir())
+    else:  # kt-profile
+        out_dir = work.root / "legs" / f"kt-profile-{stamp}"
+        argv, env = _bare_argv(work, "kt", out_dir)
+        profile_json = out_dir / "kt_profile.json"
+        argv = argv[: argv.index("--no_python")] + [__file__, "_profile_train", str(out_dir / "train.yaml"),
+                                                   str(profile_json), str(work.warmup)]
+        env["KT_SFT_PROFILE"] = "1"
+        result = measure(argv, env=env, log=out_dir / "train.log", trainer_log=out_dir / "output/trainer_log.jsonl",
+                         warmup=work.warmup)
+        result["kt_timers"] = _summarize_profile(json.loads(profile_json.read_text())) if profile_json.is_file() \
+            else "no profile written (see the log)"
+    (work.results / f"{leg}.json").write_text(json.dumps(result, indent=2))
+    print(f"{leg}: {json.dumps({k: v for k, v in result.items() if k not in ('losses', 'command')})}", flush=True)
+
+
+class _NewestTrainerLog:
+    """``ktflow sft`` picks its run directory (a content key) itself: follow whichever appears."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+
+    def run_dir(self) -> Path | None:
+        runs = sorted((self.store / "runs").glob("*/output"), key=lambda p: p.stat().st_mtime) \
+            if (self.store / "runs").is_dir() else []
+        return runs[-1].parent if runs else None
+
+    @property
+    def path(self) -> Path:
+        return _LazyPath(self)  # type: ignore[return-value]
+
+
+class _LazyPath:
+    """A Path-like whose target is resolved at each ``is_file``/``open`` (the run dir appears later)."""
+
+    def __init__(self, follower: _NewestTrainerLog) -> None:
+        self.follower = follower
+
+    def _target(self) -> Path | None:
+        run = self.follower.run_dir()
+        return None if run is None else run / "output/trainer_log.jsonl"
+
+    def is_file(self) -> bool:
+        target = self._target()
+        return target is not None and target.is_file()
+
+    def __fspath__(self) -> str:
+        target = self._target()
+        return str(target) if target else "/nonexistent"
+
+
+def _summarize_profile(doc: dict[str, Any]) -> dict[str, Any]:
+    """Seconds per step inside KT's MoE layers (CPU experts, forward and backward, summed over
+    layers) against the step's wall time: the rest is GPU work and the framework."""
+    totals: dict[str, float] = {}
+    for raw in doc["profile"].get("layers", {}).values():
+        for key, ns in raw.items():
+            if key in ("wrapper.forward.total.total_ns", "wrapper.backward.total.total_ns"):
+                totals[key.split(".")[1]] = totals.get(key.split(".")[1], 0.0) + ns / 1e9
+    steps = max(1, doc["steps"])
+    step_s = doc["wall_s"] / steps
+    per_step = {k: round(v / steps, 2) for k, v in totals.items()}
+    return {"profiled_steps": doc["steps"], "step_s": round(step_s, 2), "kt_moe_s_per_step": per_step,
+            "kt_moe_share": round(sum(per_step.values()) / step_s, 3) if step_s else None,
+            "enabled": doc["profile"].get("enabled"), "table": doc["table"]}
+
+
+def phase_report(work: Work, json_out: Path | None) -> int:
+    results = {leg: json.loads((work.results / f"{leg}.json").read_text())
+               for leg in LEGS if (work.results / f"{leg}.json").is_file()}
+    prep = json.loads((work.results / "prepare.json").read_text()) if (work.results / "prepare.json").is_file() else {}
+    host = json.loads((work.results / "host.json").read_text()) if (work.results / "host.json").is_file() else {}
+    hf, kt, kf = results.get("hf"), results.get("kt"), results.get("ktflow")
+
+    def ratio(x: dict | None, y: dict | None, key: str) -> str:
+        if not x or not y or not x.get(key) or not y.get(key):
+            return "-"
+        return f"{x[key] / y[key]:.2f}x"
+
+    rows = [("LlamaFactory tokens/s", "tokens_per_s_llamafactory"), ("steady tokens/s", "tokens_per_s_steady"),
+            ("steady step s", "steady_step_s"), ("load s", "load_s"), ("wall s", "wall_s"),
+            ("peak GPU MiB", "peak_gpu_mib"), ("peak host RSS GiB", "peak_host_rss_gib"),
+            ("final loss", "final_loss")]
+    for r in results.values():
+        r["final_loss"] = r["losses"][-1] if r.get("losses") else None
+    columns = [(name, leg) for name, leg in (("a HF", "hf"), ("b bare KT", "kt"), ("c ktflow", "ktflow"),
+                                             ("ktflow HF", "ktflow-hf")) if leg in results]
+    pairs = [(label, x, y) for label, x, y in (("KT/HF", "kt", "hf"), ("c/b", "ktflow", "kt"),
+                                               ("ktflow-hf/a", "ktflow-hf", "hf")) if x in results and y in results]
+    print(f"host: {host.get('gpu', '?')}; {host.get('cpu', '?')}, {host.get('physical_cores', '?')} cores")
+    print(f"model: {prep.get('model_bytes', 0) / 1e9:.1f} GB; data (tokens per record): {prep.get('token_lengths')}")
+    print(f"{'':22}" + "".join(f"{name:>12}" for name, _ in columns) + "".join(f"{label:>13}" for label, *_ in pairs))
+    for label, key in rows:
+        cells = ["-" if results[leg].get(key) is None else f"{results[leg][key]:.4g}" for _, leg in columns]
+        ratios = [ratio(results[x], results[y], key) for _, x, y in pairs]
+        print(f"{label:22}" + "".join(f"{c:>12}" for c in cells) + "".join(f"{r:>13}" for r in ratios))
+    summary: dict[str, Any] = {"host": host, "prepare": prep, "legs": results}
+    if kt and kf:
+        diffs = [abs(a - b) for a, b in zip(kt["losses"], kf["losses"])]
+        summary["c_vs_b"] = {"max_loss_diff": max(diffs) if diffs else None, "steps_compared": len(diffs),
+                             "wall_ratio": round(kf["wall_s"] / kt["wall_s"], 4),
+                             "wall_minus_prelaunch_ratio": round((kf["wall_s"] - kf.get("prelaunch_s", 0.0))
+                                                                 / kt["wall_s"], 4),
+                             "prelaunch_s": kf.get("prelaunch_s"), "post_s": kf.get("post_s")}
+        print(f"c vs b: losses over {len(diffs)} steps differ by at most {summary['c_vs_b']['max_loss_diff']}; "
+              f"wall c/b {summary['c_vs_b']['wall_ratio']}, pre-launch {kf.get('prelaunch_s')} s, "
+              f"post {kf.get('post_s')} s; (c - pre-launch)/b {summary['c_vs_b']['wall_minus_prelaunch_ratio']}")
+    if hf and kt:
+        summary["kt_vs_hf"] = {
+            "throughput_ratio": ratio(kt, hf, "tokens_per_s_llamafactory"),
+            "gpu_ratio": ratio(kt, hf, "peak_gpu_mib"),
+            "seeds_throughput_ratio": f"{SEEDS['kt']['tokens_per_s'] / SEEDS['hf']['tokens_per_s']:.2f}x",
+            "seeds_gpu_ratio": f"{SEEDS['kt']['gpu_gb'] / SEEDS['hf']['gpu_gb']:.2f}x",
+        }
+        print(f"KT/HF: throughput {summary['kt_vs_hf']['throughput_ratio']} (seeds "
+              f"{summary['kt_vs_hf']['seeds_throughput_ratio']}), GPU memory {summary['kt_vs_hf']['gpu_ratio']} "
+              f"(seeds {summary['kt_vs_hf']['seeds_gpu_ratio']})")
+    prof = results.get("kt-profile", {}).get("kt_timers")
+    if isinstance(prof, dict):
+        print(f"KT timers over {prof['profiled_steps']} steps: step {prof['step_s']} s, in KT MoE layers "
+              f"{prof['kt_moe_s_per_step']} s/step ({prof['kt_moe_share']} of the step)")
+        print(prof["table"])
+    if json_out:
+        json_out.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("phase", choices=("prepare", "run", "report", "all", "_token_lengths", "_prepare_data",
+                                          "_profile_train"))
+    parser.add_argument("legs", nargs="*")
+    parser.add_argument("--size", choices=("full", "tiny"), default="full")
+    parser.add_argument("--python", default=str(default_python()), help="the training toolchain's python")
+    parser.add_argument("--steps", type=int, default=None, help="sft.max_steps (the recipe's: 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the steady-state figures")
+    parser.add_argument("--gpus", type=int, default=None, help="sft.gpus (0: the hf leg on the CPU)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.phase == "_token_lengths":
+        print(json.dumps(child_token_lengths(Path(args.legs[0]), Path(args.legs[1]))))
+        return 0
+    if args.phase == "_prepare_data":
+        child_prepare_data(Path(args.legs[0]), json.loads(args.legs[1]), Path(args.legs[2]))
+        return 0
+    if args.phase == "_profile_train":
+        child_profile_train(Path(args.legs[0]), Path(args.legs[1]), int(args.legs[2]))
+        return 0
+    work = Work(args)
+    if args.phase in ("prepare", "all"):
+        phase_prepare(work)
+        host = host_info(())
+        host["gpu"] = (subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                      capture_output=True, text=True).stdout.strip()
+                       if shutil.which("nvidia-smi") else "none")
+        (work.results / "host.json").write_text(json.dumps(host, indent=2))
+    if args.phase in ("run", "all"):
+        legs = args.legs or ["hf", "kt", "ktflow"]
+        unknown = [leg for leg in legs if leg not in LEGS]
+        if unknown:
+            parser.error(f"unknown leg(s) {', '.join(unknown)}; choose from {', '.join(LEGS)}")
+        for leg in legs:
+            phase_run(work, leg)
+    if args.phase in ("report", "all"):
+        return phase_report(work, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
