@@ -15,7 +15,7 @@ Xeon: HuggingFace 303.58 tokens/s and 32.12 GB GPU memory, KTransformers 530.38 
 
 Commands, on the GPU host (gpu_host/README: ``bash gpu_host/run.sh setup`` unpacks the toolchain),
 from the repository root; each phase fits one device call (10 min), and the work directory
-(build/bench-kt-vs-hf/<size>, ignored) persists between calls on a warm machine:
+(build/bench-kt-vs-hf/<size>-<arch>, ignored) persists between calls on a warm machine:
 
     PY=build/gpu-host/bundle/bin/python
     $PY benchmarks/kt_vs_hf.py prepare             # model (31 GB, ~2 min) + data + rendered plans
@@ -63,6 +63,7 @@ RECIPES = {"hf": REPO / "benchmarks/recipes/v2-lite-hf.yaml", "kt": REPO / "benc
 LEGS = ("hf", "kt", "ktflow", "ktflow-hf", "kt-profile")
 SEEDS = {"hf": {"tokens_per_s": 303.58, "gpu_gb": 32.12}, "kt": {"tokens_per_s": 530.38, "gpu_gb": 6.08}}
 RECORDS = 256
+ARCHITECTURES = {"v2": "DeepseekV2ForCausalLM", "v3": "DeepseekV3ForCausalLM"}
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _common import host_info  # noqa: E402
@@ -294,7 +295,8 @@ def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Pat
 
 class Work:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.root = (REPO / "build/bench-kt-vs-hf" / args.size).absolute()
+        self.root = (REPO / "build/bench-kt-vs-hf" / f"{args.size}-{args.arch}").absolute()
+        self.architecture = ARCHITECTURES[args.arch]
         self.python = Path(args.python).absolute()
         self.size, self.steps, self.warmup, self.gpus = args.size, args.steps, args.warmup, args.gpus
         self.model, self.data = self.root / "model", self.root / "data/train.jsonl"
@@ -333,7 +335,7 @@ def phase_prepare(work: Work) -> None:
     t = time.perf_counter()
     if not (work.model / "config.json").is_file():
         size = ["--full-size"] if work.size == "full" else ["--layers", "4", "--experts", "8"]
-        work.ktflow("fixture", "deepseek-v2-lite", str(work.model), *size)
+        work.ktflow("fixture", "deepseek-v2-lite", str(work.model), *size, "--architecture", work.architecture)
     model_s = time.perf_counter() - t
     if not work.data.is_file():
         write_dialogues(work.data, RECORDS)
@@ -442,13 +444,15 @@ class _LazyPath:
 
 
 def _summarize_profile(doc: dict[str, Any]) -> dict[str, Any]:
-    """Seconds per step inside KT's MoE layers (CPU experts, forward and backward, summed over
-    layers) against the step's wall time: the rest is GPU work and the framework."""
-    totals: dict[str, float] = {}
+    """Seconds per step inside KT's MoE layers, summed over layers (KT's wrapper timers: the CPU
+    experts' forward, backward and backward weight repack), against the step's wall time: the
+    rest is GPU work and the framework."""
+    stages = {"forward": "wrapper.tp.forward.total.total_ns", "backward": "wrapper.tp.backward.total.total_ns",
+              "backward_repack": "wrapper.weights.backward_repack.total_ns"}
+    totals = dict.fromkeys(stages, 0.0)
     for raw in doc["profile"].get("layers", {}).values():
-        for key, ns in raw.items():
-            if key in ("wrapper.forward.total.total_ns", "wrapper.backward.total.total_ns"):
-                totals[key.split(".")[1]] = totals.get(key.split(".")[1], 0.0) + ns / 1e9
+        for stage, key in stages.items():
+            totals[stage] += raw.get(key, 0.0) / 1e9
     steps = max(1, doc["steps"])
     step_s = doc["wall_s"] / steps
     per_step = {k: round(v / steps, 2) for k, v in totals.items()}
@@ -523,6 +527,9 @@ def main() -> int:
                                           "_profile_train"))
     parser.add_argument("legs", nargs="*")
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
+    parser.add_argument("--arch", choices=tuple(ARCHITECTURES), default="v3",
+                        help="the model class: v3 (V2-Lite's dimensions, DeepSeek-V3 routing: what kt-kernel 0.7.2 "
+                             "trains) or v2 (DeepseekV2ForCausalLM: the HF leg runs, the KT legs stop at KT's gate check)")
     parser.add_argument("--python", default=str(default_python()), help="the training toolchain's python")
     parser.add_argument("--steps", type=int, default=None, help="sft.max_steps (the recipe's: 8)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the steady-state figures")

@@ -114,6 +114,7 @@ def cmd_fixture(args: argparse.Namespace) -> int:
     spec = FixtureSpec(
         kind=args.kind, layers=args.layers, experts=args.experts, hidden=args.hidden,
         moe_intermediate=args.moe_intermediate, seed=args.seed, full_size=args.full_size,
+        architecture=args.architecture,
     )
     columns = (TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
@@ -656,6 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--full-size", action="store_true",
                    help="deepseek-v2-lite only: the real model's dimensions (15.7B parameters, 31 GB on disk)")
+    p.add_argument("--architecture", choices=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+                   default="DeepseekV2ForCausalLM",
+                   help="deepseek-v2-lite only: the model class (V3: DeepSeek-V3 routing, which kt-kernel 0.7.2 trains)")
 
     p = add("inspect", cmd_inspect, "detect a checkpoint's format and validate its files")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")

@@ -107,6 +107,11 @@ class FixtureSpec(BaseModel):
         "clear margin on a random model, and LoRA cannot fix that without lm_head in its targets, which makes "
         "PEFT save lm_head whole (SGLang ignores it): a model meant to be taught, like the demo's, uses 0.2.")
 
+    architecture: Literal["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"] = Field(
+        "DeepseekV2ForCausalLM", description="deepseek-v2-lite only: the model class. DeepseekV3ForCausalLM keeps "
+        "every dimension but routes the DeepSeek-V3 way (sigmoid scores with a correction bias, one group): "
+        "kt-kernel 0.7.2 trains that class, while its DeepseekV2 path expects a gate returning "
+        "(topk_ids, topk_weights), which neither transformers' DeepseekV2 nor DeepSeek's remote code has.")
     full_size: bool = Field(
         False, description="deepseek-v2-lite only: DeepSeek-V2-Lite's real dimensions (27 layers, 64 routed + 2 "
         "shared experts, 6 active, hidden 2048, MoE intermediate 1408, MLA kv_lora_rank 512, vocab 102400; "
@@ -155,6 +160,10 @@ class FixtureSpec(BaseModel):
 
     @model_validator(mode="after")
     def _full_size_rules(self) -> FixtureSpec:
+        if self.architecture != "DeepseekV2ForCausalLM" and self.kind != "deepseek-v2-lite":
+            raise InvalidInputError(f"--architecture {self.architecture} with {self.kind}",
+                                    "only deepseek-v2-lite has a choice of architecture.",
+                                    "drop --architecture, or use the deepseek-v2-lite kind.")
         if not self.full_size:
             return self
         if self.kind != "deepseek-v2-lite":
@@ -363,9 +372,10 @@ _V2_LITE_DIMS: dict[str, int] = {
 
 
 def _deepseek_v2_lite_config(spec: FixtureSpec, *, vocab_size: int, eos_id: int, pad_id: int):
-    """DeepSeek-V2-Lite's structure (no q LoRA, 2 shared experts, greedy softmax top-6 routing, YaRN
-    RoPE) at its real dimensions (``full_size``) or at the spec's tiny ones."""
-    from transformers import DeepseekV2Config
+    """DeepSeek-V2-Lite's structure (no q LoRA, 2 shared experts, top-6 routing without
+    normalization, YaRN RoPE) at its real dimensions (``full_size``) or at the spec's tiny ones, in
+    ``spec.architecture``'s config class (V2: greedy softmax routing; V3: sigmoid, one group)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
 
     if spec.full_size:
         dims = dict(_V2_LITE_DIMS)
@@ -374,13 +384,17 @@ def _deepseek_v2_lite_config(spec: FixtureSpec, *, vocab_size: int, eos_id: int,
                 "moe_intermediate_size": spec.moe_intermediate, "num_hidden_layers": spec.layers,
                 "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": spec.experts,
                 "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
-    return DeepseekV2Config(
+    if spec.architecture == "DeepseekV3ForCausalLM":
+        config_class, routing = DeepseekV3Config, {"num_nextn_predict_layers": 0}
+    else:
+        config_class, routing = DeepseekV2Config, {"topk_method": "greedy"}
+    return config_class(
         **dims,
+        **routing,
         q_lora_rank=None,
         n_shared_experts=2,
         num_experts_per_tok=min(6, dims["n_routed_experts"]),
         first_k_dense_replace=1,
-        topk_method="greedy",
         n_group=1,
         topk_group=1,
         norm_topk_prob=False,
@@ -407,9 +421,10 @@ def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: Progre
     generated on all cores one layer at a time.
     """
     from safetensors.torch import load_file
-    from transformers import DeepseekV2ForCausalLM
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from transformers.utils import logging as hf_logging
 
+    model_class = DeepseekV3ForCausalLM if spec.architecture == "DeepseekV3ForCausalLM" else DeepseekV2ForCausalLM
     vocab_size, eos_id, pad_id = _save_tokenizer(build_dir)
     config = _deepseek_v2_lite_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
     num_layers = config.num_hidden_layers
@@ -418,7 +433,7 @@ def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: Progre
     hf_logging.disable_progress_bar()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = DeepseekV2ForCausalLM(template_config)
+        model = model_class(template_config)
         if spec.lm_head_std is not None:
             torch.nn.init.normal_(model.lm_head.weight, std=spec.lm_head_std)
         model.to(torch.bfloat16).save_pretrained(scratch)
