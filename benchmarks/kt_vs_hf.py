@@ -299,6 +299,7 @@ class Work:
         self.architecture = ARCHITECTURES[args.arch]
         self.python = Path(args.python).absolute()
         self.size, self.steps, self.warmup, self.gpus = args.size, args.steps, args.warmup, args.gpus
+        self.extra_sets, self.tag = list(args.set or ()), args.tag
         self.model, self.data = self.root / "model", self.root / "data/train.jsonl"
         self.results = self.root / "results"
 
@@ -309,7 +310,7 @@ class Work:
             sets.append(f"sft.max_steps={self.steps}")
         if self.gpus is not None and leg == "hf":
             sets.append(f"sft.gpus={self.gpus}")
-        return sets
+        return sets + self.extra_sets
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KTFLOW_SRC": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
@@ -340,28 +341,33 @@ def phase_prepare(work: Work) -> None:
     if not work.data.is_file():
         write_dialogues(work.data, RECORDS)
     lengths = json.loads(work.child("_token_lengths", str(work.model), str(work.data)).strip().splitlines()[-1])
-    plans = {}
     for leg in ("hf", "kt"):
-        store = work.root / "store-bare"
-        plan = json.loads(work.ktflow("sft", str(RECIPES[leg]), "--dry-run", "--json",
-                                      *[a for s in work.overrides(store, leg) for a in ("--set", s)]))
-        dataset_dir = Path(plan["train_config"]["dataset_dir"])
-        if not dataset_dir.is_dir():
-            work.child("_prepare_data", str(RECIPES[leg]), json.dumps(work.overrides(store, leg)), str(dataset_dir))
-        plans[leg] = plan
-    (work.root / "plans.json").write_text(json.dumps(plans, indent=2))
+        render_plan(work, leg)
     total = sum(f.stat().st_size for f in work.model.glob("*.safetensors"))
     (work.results / "prepare.json").write_text(json.dumps(
         {"model_bytes": total, "model_s": round(model_s, 1), "token_lengths": lengths}, indent=2))
     print(f"model {total / 1e9:.1f} GB ({model_s:.0f} s), data {lengths}", flush=True)
 
 
+def render_plan(work: Work, leg: str) -> dict[str, Any]:
+    """``ktflow sft --dry-run --json`` of ``leg``'s recipe (with ``--set``), and its dataset
+    published where the plan reads it, as ``ktflow sft`` would publish it."""
+    store = work.root / "store-bare"
+    plan = json.loads(work.ktflow("sft", str(RECIPES[leg]), "--dry-run", "--json",
+                                  *[a for s in work.overrides(store, leg) for a in ("--set", s)]))
+    dataset_dir = Path(plan["train_config"]["dataset_dir"])
+    if not dataset_dir.is_dir():
+        work.child("_prepare_data", str(RECIPES[leg]), json.dumps(work.overrides(store, leg)), str(dataset_dir))
+    return plan
+
+
 def _bare_argv(work: Work, leg: str, out_dir: Path) -> tuple[list[str], dict[str, str]]:
     """The rendered plan of ``leg``, with its YAML files written in ``out_dir``: what ktflow would run."""
     import yaml
 
-    plan = json.loads((work.root / "plans.json").read_text())[leg]
+    plan = render_plan(work, leg)
     out_dir.mkdir(parents=True)
+    (out_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     cfg = dict(plan["train_config"], output_dir=str(out_dir / "output"))
     if work.steps is not None:
         cfg["max_steps"] = work.steps
@@ -375,18 +381,19 @@ def _bare_argv(work: Work, leg: str, out_dir: Path) -> tuple[list[str], dict[str
 
 def phase_run(work: Work, leg: str) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{leg}-{work.tag}" if work.tag else leg
     if leg in ("hf", "kt"):
-        out_dir = work.root / "legs" / f"{leg}-{stamp}"
+        out_dir = work.root / "legs" / f"{name}-{stamp}"
         argv, env = _bare_argv(work, leg, out_dir)
         result = measure(argv, env=env, log=out_dir / "train.log", trainer_log=out_dir / "output/trainer_log.jsonl",
                          warmup=work.warmup)
         result["command"] = argv
     elif leg in ("ktflow", "ktflow-hf"):
         backend = "hf" if leg == "ktflow-hf" else "kt"
-        store = work.root / f"store-{leg}-{stamp}"  # fresh: no cache hit, data prepared again
+        store = work.root / f"store-{name}-{stamp}"  # fresh: no cache hit, data prepared again
         argv = [str(work.python), "-m", "ktflow.cli", "sft", str(RECIPES[backend]),
                 *[a for s in work.overrides(store, backend) for a in ("--set", s)]]
-        log = work.root / "legs" / f"{leg}-{stamp}.log"
+        log = work.root / "legs" / f"{name}-{stamp}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         follower = _NewestTrainerLog(store)
         result = measure(argv, env=work.env(), log=log, trainer_log=follower.path, warmup=work.warmup,
@@ -394,7 +401,7 @@ def phase_run(work: Work, leg: str) -> None:
         result["command"] = argv
         result["run_dir"] = str(follower.run_dir())
     else:  # kt-profile
-        out_dir = work.root / "legs" / f"kt-profile-{stamp}"
+        out_dir = work.root / "legs" / f"{name}-{stamp}"
         argv, env = _bare_argv(work, "kt", out_dir)
         profile_json = out_dir / "kt_profile.json"
         argv = argv[: argv.index("--no_python")] + [__file__, "_profile_train", str(out_dir / "train.yaml"),
@@ -404,8 +411,9 @@ def phase_run(work: Work, leg: str) -> None:
                          warmup=work.warmup)
         result["kt_timers"] = _summarize_profile(json.loads(profile_json.read_text())) if profile_json.is_file() \
             else "no profile written (see the log)"
-    (work.results / f"{leg}.json").write_text(json.dumps(result, indent=2))
-    print(f"{leg}: {json.dumps({k: v for k, v in result.items() if k not in ('losses', 'command')})}", flush=True)
+    result["sets"] = work.extra_sets
+    (work.results / f"{name}.json").write_text(json.dumps(result, indent=2))
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('losses', 'command')})}", flush=True)
 
 
 class _NewestTrainerLog:
@@ -462,8 +470,8 @@ def _summarize_profile(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def phase_report(work: Work, json_out: Path | None) -> int:
-    results = {leg: json.loads((work.results / f"{leg}.json").read_text())
-               for leg in LEGS if (work.results / f"{leg}.json").is_file()}
+    results = {f.stem: json.loads(f.read_text()) for f in sorted(work.results.glob("*.json"))
+               if f.stem not in ("prepare", "host")}
     prep = json.loads((work.results / "prepare.json").read_text()) if (work.results / "prepare.json").is_file() else {}
     host = json.loads((work.results / "host.json").read_text()) if (work.results / "host.json").is_file() else {}
     hf, kt, kf = results.get("hf"), results.get("kt"), results.get("ktflow")
@@ -479,10 +487,12 @@ def phase_report(work: Work, json_out: Path | None) -> int:
             ("final loss", "final_loss")]
     for r in results.values():
         r["final_loss"] = r["losses"][-1] if r.get("losses") else None
-    columns = [(name, leg) for name, leg in (("a HF", "hf"), ("b bare KT", "kt"), ("c ktflow", "ktflow"),
-                                             ("ktflow HF", "ktflow-hf")) if leg in results]
+    named = {"hf": "a HF", "kt": "b bare KT", "ktflow": "c ktflow", "ktflow-hf": "ktflow HF"}
+    columns = [(named[leg], leg) for leg in named if leg in results] + \
+        [(leg, leg) for leg in results if leg not in named and not leg.startswith("kt-profile")]
     pairs = [(label, x, y) for label, x, y in (("KT/HF", "kt", "hf"), ("c/b", "ktflow", "kt"),
                                                ("ktflow-hf/a", "ktflow-hf", "hf")) if x in results and y in results]
+    pairs += [(f"{leg}/HF", leg, "hf") for _, leg in columns if leg not in named and "hf" in results]
     print(f"host: {host.get('gpu', '?')}; {host.get('cpu', '?')}, {host.get('physical_cores', '?')} cores")
     print(f"model: {prep.get('model_bytes', 0) / 1e9:.1f} GB; data (tokens per record): {prep.get('token_lengths')}")
     print(f"{'':22}" + "".join(f"{name:>12}" for name, _ in columns) + "".join(f"{label:>13}" for label, *_ in pairs))
@@ -511,11 +521,17 @@ def phase_report(work: Work, json_out: Path | None) -> int:
         print(f"KT/HF: throughput {summary['kt_vs_hf']['throughput_ratio']} (seeds "
               f"{summary['kt_vs_hf']['seeds_throughput_ratio']}), GPU memory {summary['kt_vs_hf']['gpu_ratio']} "
               f"(seeds {summary['kt_vs_hf']['seeds_gpu_ratio']})")
-    prof = results.get("kt-profile", {}).get("kt_timers")
-    if isinstance(prof, dict):
+    for leg in [leg for leg in results if leg.startswith("kt-profile")]:
+        prof = results[leg].get("kt_timers")
+        if not isinstance(prof, dict):
+            continue
+        print(f"{leg} {results[leg].get('sets') or ''}")
         print(f"KT timers over {prof['profiled_steps']} steps: step {prof['step_s']} s, in KT MoE layers "
               f"{prof['kt_moe_s_per_step']} s/step ({prof['kt_moe_share']} of the step)")
         print(prof["table"])
+    for leg, r in results.items():
+        if r.get("sets"):
+            print(f"{leg}: --set {' --set '.join(r['sets'])}")
     if json_out:
         json_out.write_text(json.dumps(summary, indent=2))
     return 0
@@ -535,6 +551,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the steady-state figures")
     parser.add_argument("--gpus", type=int, default=None, help="sft.gpus (0: the hf leg on the CPU)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="a recipe override for the legs run (ktflow's --set), e.g. sft.kt_cpu_activation=retain")
+    parser.add_argument("--tag", default=None, help="results of this run go to <leg>-<tag>.json (e.g. a --set variant)")
     args = parser.parse_args()
     if args.phase == "_token_lengths":
         print(json.dumps(child_token_lengths(Path(args.legs[0]), Path(args.legs[1]))))
