@@ -295,7 +295,7 @@ def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Pat
 
 class Work:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.root = (REPO / "build/bench-kt-vs-hf" / f"{args.size}-{args.arch}").absolute()
+        self.root = (Path(args.workdir) / f"{args.size}-{args.arch}").absolute()
         self.architecture = ARCHITECTURES[args.arch]
         self.python = Path(args.python).absolute()
         self.size, self.steps, self.warmup, self.gpus = args.size, args.steps, args.warmup, args.gpus
@@ -469,6 +469,12 @@ def _summarize_profile(doc: dict[str, Any]) -> dict[str, Any]:
             "enabled": doc["profile"].get("enabled"), "table": doc["table"]}
 
 
+def _cell(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) or abs(value) >= 1000 and value == int(value) else f"{value:.4g}"
+
+
 def phase_report(work: Work, json_out: Path | None) -> int:
     results = {f.stem: json.loads(f.read_text()) for f in sorted(work.results.glob("*.json"))
                if f.stem not in ("prepare", "host")}
@@ -497,7 +503,7 @@ def phase_report(work: Work, json_out: Path | None) -> int:
     print(f"model: {prep.get('model_bytes', 0) / 1e9:.1f} GB; data (tokens per record): {prep.get('token_lengths')}")
     print(f"{'':22}" + "".join(f"{name:>12}" for name, _ in columns) + "".join(f"{label:>13}" for label, *_ in pairs))
     for label, key in rows:
-        cells = ["-" if results[leg].get(key) is None else f"{results[leg][key]:.4g}" for _, leg in columns]
+        cells = [_cell(results[leg].get(key)) for _, leg in columns]
         ratios = [ratio(results[x], results[y], key) for _, x, y in pairs]
         print(f"{label:22}" + "".join(f"{c:>12}" for c in cells) + "".join(f"{r:>13}" for r in ratios))
     summary: dict[str, Any] = {"host": host, "prepare": prep, "legs": results}
@@ -543,6 +549,8 @@ def main() -> int:
                                           "_profile_train"))
     parser.add_argument("legs", nargs="*")
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
+    parser.add_argument("--workdir", default=str(REPO / "build/bench-kt-vs-hf"),
+                        help="holds <size>-<arch>/ (model, data, legs, results)")
     parser.add_argument("--arch", choices=tuple(ARCHITECTURES), default="v3",
                         help="the model class: v3 (V2-Lite's dimensions, DeepSeek-V3 routing: what kt-kernel 0.7.2 "
                              "trains) or v2 (DeepseekV2ForCausalLM: the HF leg runs, the KT legs stop at KT's gate check)")

@@ -126,6 +126,31 @@ def decoder_layer_class(recipe: Recipe, model_config: dict[str, Any] | None) -> 
     )
 
 
+def check_kt_model(recipe: Recipe, model_config: dict[str, Any] | None, config_path: Path) -> None:
+    """Refuse, before anything launches, a model class the KT 0.7 backend is known not to train.
+
+    kt-kernel 0.7.2 routes DeepSeek-V2 tokens by calling the MoE gate and expecting
+    ``(topk_ids, topk_weights)``; transformers' ``DeepseekV2ForCausalLM`` (what transformers-kt
+    loads for ``model_type: deepseek_v2``) has a plain Linear gate, so training stops at its first
+    step with "DeepSeek gate must return (topk_ids, topk_weights)" (seen on the GPU host with
+    benchmarks/kt_vs_hf.py --arch v2). DeepSeek's own remote code returns three values.
+
+    Raises:
+        InvalidInputError: ``sft.backend: kt`` with a DeepSeek-V2 model.
+    """
+    if recipe.sft.backend != "kt" or model_config is None:
+        return
+    configs = (model_config, model_config.get("text_config") or {})
+    if any(c.get("model_type") == "deepseek_v2" or any("DeepseekV2" in a for a in c.get("architectures") or [])
+           for c in configs):
+        raise InvalidInputError(
+            f"{config_path}: model_type deepseek_v2 with sft.backend kt",
+            "kt-kernel 0.7.2 cannot train DeepSeek-V2 models: its MoE wrapper expects the gate to return "
+            "(topk_ids, topk_weights), and DeepSeek-V2's gate does not, so training would stop at its first step",
+            "train DeepSeek-V2 with sft.backend: kt-legacy (recipes/deepseek-v2-lite-bf16.yaml) or hf",
+        )
+
+
 def render_sft(
     recipe: Recipe,
     *,
@@ -450,6 +475,7 @@ def run_sft(
     published (a cache hit).
 
     Raises:
+        InvalidInputError: the KT backend with a model class it cannot train (:func:`check_kt_model`).
         DatasetError: a bad record (every one is listed); nothing is launched.
         HostRequirementError: this host or toolchain cannot run the recipe's backend, the store has
             too little free disk, or the store is not writable (all before anything is launched).
@@ -457,16 +483,17 @@ def run_sft(
         ToolError: LlamaFactory failed (its last lines are in the message; the run resumes on retry).
     """
     started = time.perf_counter()
+    model_dir = model_dir.absolute()
+    config_path = model_dir / "config.json"
+    model_config = json.loads(config_path.read_text()) if config_path.exists() else None
+    check_kt_model(recipe, model_config, config_path)
     problems = check_requirement(host_requirements(recipe)["sft"], host)
     if problems:
         raise HostRequirementError("sft", "; ".join(problems), "run this stage on a host that has them (ktflow doctor)")
     python = _toolchain_python(recipe)
-    model_dir = model_dir.absolute()
     problems = check_sft_resources(recipe, host, inspect_checkpoint(model_dir).tensor_bytes)
     if problems:
         raise HostRequirementError("sft", "; ".join(problems), "free memory or disk, or use a larger host")
-    config_path = model_dir / "config.json"
-    model_config = json.loads(config_path.read_text()) if config_path.exists() else None
     template_needs_model = recipe.sft.template == "empty"
     data_digest = dataset_digest(recipe.dataset, template=recipe.sft.template,
                                  model_dir=model_dir if template_needs_model else None)

@@ -200,3 +200,18 @@ def test_deepseek_v2_lite_fixture_then_inspect(tmp_path: Path) -> None:
     refused = ktflow("fixture", "deepseek-v2-lite", str(tmp_path / "x"), "--full-size", "--experts", "4")
     assert refused.returncode == 2 and "--experts 4" in refused.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_sft_refuses_the_kt_backend_on_deepseek_v2_before_anything_runs(fixture_dir, tmp_path: Path) -> None:
+    """kt-kernel 0.7.2 stops at the first step on DeepseekV2 (seen on the GPU host); ktflow says so up front."""
+    model = fixture_dir("deepseek-v2-lite", layers=4)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello nya~"}]}) + "\n")
+    store = tmp_path / "store"
+    result = ktflow("sft", str(REPO / "benchmarks/recipes/v2-lite-kt.yaml"), "--set", f"source.local_path={model}",
+                    "--set", f"dataset.files=[{data}]", "--set", f"store.root={store}")
+    assert result.returncode == 2, result.stderr
+    assert "model_type deepseek_v2 with sft.backend kt" in result.stderr
+    assert "kt-legacy" in result.stderr and "Traceback" not in result.stderr
+    assert not (store / "runs").exists()
