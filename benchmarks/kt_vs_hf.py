@@ -10,8 +10,9 @@ Xeon: HuggingFace 303.58 tokens/s and 32.12 GB GPU memory, KTransformers 530.38 
                    (benchmarks/recipes/v2-lite-kt.yaml rendered by ``ktflow sft --dry-run``), run by hand;
     c. ``ktflow``: ``ktflow sft benchmarks/recipes/v2-lite-kt.yaml`` on a fresh store (the same config);
     ``ktflow-hf``: the same for leg a's recipe (c against a: ktflow's overhead where no KT can run).
-    ``kt-profile`` (optional): leg b's config in-process with ``KT_SFT_PROFILE=1`` and KT's own timers
-                   read after the warm-up steps: how much of a step the CPU experts take.
+    ``kt-profile`` (optional): leg b's config in-process with ``KT_SFT_PROFILE=1`` and KT's own timers,
+                   reset after step ``--warmup`` and read after the last: how much of a step the
+                   CPU experts take.
 
 Commands, on the GPU host (gpu_host/README: ``bash gpu_host/run.sh setup`` unpacks the toolchain),
 from the repository root; each phase fits one device call (10 min), and the work directory
@@ -27,14 +28,17 @@ from the repository root; each phase fits one device call (10 min), and the work
 ``hf`` leg can run (LlamaFactory trains on the CPU there; set ``--gpus 0``).
 
 What is measured, per leg, from outside the training process (psutil and ``nvidia-smi --loop-ms``):
-- wall: the whole command; load: start -> the trainer's first logged step minus that step's
-  own time (everything before training: imports, model load, KT weight packing, data);
-- steady step: the median interval between consecutive ``trainer_log.jsonl`` lines after
-  ``--warmup`` steps (each line stamped when it appears; logging_steps is 1);
+- wall: the whole command; load (an estimate): start -> the trainer's first logged step, less
+  the second step's duration standing in for the first's (imports, model load, KT weight
+  packing, data);
+- steady step: the median interval between consecutive ``trainer_log.jsonl`` lines (each
+  stamped when it appears; logging_steps is 1) for steps ``--warmup + 2`` to the last: step 1's
+  duration cannot be told apart from loading, and ``--warmup`` more steps are left out;
 - tokens/s: LlamaFactory's own (``throughput`` of its last log line: tokens seen / train time),
-  and trained tokens / wall time of the steps after the warm-up (``total_tokens`` deltas over
-  the stamped intervals);
-- peak GPU: ``memory.used`` of the GPU, sampled every 100 ms, minus its value before the leg;
+  and trained tokens / wall time of the same steady steps (``total_tokens`` deltas over the
+  stamped intervals);
+- peak GPU: ``memory.used`` of the GPU, sampled every 100 ms, minus its value before the leg
+  (CUDA context included);
 - peak host RSS: the sum over the leg's process tree, sampled every 250 ms (shared pages of a
   memory-mapped checkpoint count once per process that maps them);
 - for ``ktflow``: pre-launch (start -> the launcher child seen) and post (its exit -> exit).
@@ -50,6 +54,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -116,6 +121,28 @@ def child_token_lengths(model: Path, data: Path) -> dict[str, Any]:
     lengths = sorted(len(ids) for ids in tok(texts, add_special_tokens=False).input_ids)
     return {"records": len(lengths), "mean": round(statistics.mean(lengths), 1), "min": lengths[0],
             "median": lengths[len(lengths) // 2], "max": lengths[-1]}
+
+
+def child_toolchain() -> dict[str, Any]:
+    """Versions as the training toolchain sees them (the -kt forks or upstream, whichever is there)."""
+    from importlib import metadata
+
+    versions: dict[str, Any] = {}
+    for names in (("torch",), ("transformers-kt", "transformers"), ("llamafactory-kt", "llamafactory"),
+                  ("peft-kt", "peft"), ("accelerate-kt", "accelerate"), ("kt-kernel",)):
+        for name in names:
+            try:
+                versions[name] = metadata.version(name)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    try:
+        import torch
+
+        versions["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return versions
 
 
 def child_prepare_data(recipe_file: Path, overrides: list[str], dataset_dir: Path) -> None:
@@ -232,6 +259,7 @@ class Sampler:
         self._stop.set()
         if self._smi is not None:
             self._smi.terminate()
+            self._smi.wait()
         for t in self._threads:
             t.join(timeout=5)
 
@@ -246,24 +274,35 @@ def _gpu_used_mib() -> int | None:
 
 def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Path, warmup: int,
             child_marker: str | None = None) -> dict[str, Any]:
-    """Run one leg and derive its figures (see the module docstring)."""
+    """Run one leg and derive its figures (see the module docstring).
+
+    Steady figures cover logged steps ``warmup + 2`` to the last: a line is stamped when it
+    appears, so a step's duration is the gap to the line before it, and step 1 has none that
+    can be told apart from loading.
+    """
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=REPO, start_new_session=True)
-        sampler = Sampler(proc.pid, trainer_log, child_marker)
-        rc = proc.wait()
-        wall = sampler.now()
-        time.sleep(0.3)  # the log follower's last poll
-        sampler.stop()
+        try:
+            sampler = Sampler(proc.pid, trainer_log, child_marker)
+            rc = proc.wait()
+            wall = sampler.now()
+            time.sleep(0.3)  # the log follower's last poll
+            sampler.stop()
+        finally:
+            # An interrupted harness must not leave a trainer holding the GPU and 37 GiB for the next leg.
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     if rc != 0:
         tail = log.read_text(errors="replace")[-4000:]
         raise SystemExit(f"{' '.join(argv[:3])} ... failed (exit {rc}); last output of {log}:\n{tail}")
     steps = [(t, rec) for t, rec in sampler.stamps if "current_steps" in rec and rec.get("loss") is not None]
     if len(steps) <= warmup + 1:
-        raise SystemExit(f"{log}: {len(steps)} logged steps; need more than --warmup {warmup} + 1")
+        raise SystemExit(f"{log}: {len(steps)} logged steps; --warmup {warmup} needs at least {warmup + 2}")
     times = [t for t, _ in steps]
     intervals = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
-    first_step = times[1] - times[0]
+    second_step = times[1] - times[0]
     last = steps[-1][1]
     tokens = [rec.get("total_tokens") for _, rec in steps]
     steady_tokens_per_s = None
@@ -271,15 +310,18 @@ def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Pat
         steady_tokens_per_s = (tokens[-1] - tokens[warmup]) / (times[-1] - times[warmup])
     result = {
         "wall_s": round(wall, 1),
-        "load_s": round(times[0] - first_step, 1),
-        "first_step_s": round(times[0], 1),
+        # an estimate: start -> first logged step, less the second step's duration standing in for the first's
+        "load_s": round(times[0] - second_step, 1),
+        "first_step_logged_s": round(times[0], 1),
         "steps": last["current_steps"],
+        "steady_steps": [steps[warmup + 1][1]["current_steps"], last["current_steps"]],
         "steady_step_s": round(statistics.median(intervals), 2),
         "steady_step_spread_s": [round(min(intervals), 2), round(max(intervals), 2)],
         "tokens_per_s_llamafactory": last.get("throughput"),
         "tokens_per_s_steady": None if steady_tokens_per_s is None else round(steady_tokens_per_s, 1),
         "total_tokens": last.get("total_tokens"),
         "losses": [rec["loss"] for _, rec in steps],
+        "step_logged_at_s": [round(t, 2) for t in times],
         "peak_gpu_mib": None if sampler.gpu_peak is None else sampler.gpu_peak - (sampler.gpu_baseline or 0),
         "peak_host_rss_gib": round(sampler.peak_rss / 2**30, 2),
         "log": str(log.relative_to(REPO)) if log.is_relative_to(REPO) else str(log),
@@ -369,8 +411,6 @@ def _bare_argv(work: Work, leg: str, out_dir: Path) -> tuple[list[str], dict[str
     out_dir.mkdir(parents=True)
     (out_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     cfg = dict(plan["train_config"], output_dir=str(out_dir / "output"))
-    if work.steps is not None:
-        cfg["max_steps"] = work.steps
     (out_dir / "train.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     if plan["accelerate_config"] is not None:
         (out_dir / "accelerate.yaml").write_text(yaml.safe_dump(plan["accelerate_config"], sort_keys=False))
@@ -380,7 +420,7 @@ def _bare_argv(work: Work, leg: str, out_dir: Path) -> tuple[list[str], dict[str
 
 
 def phase_run(work: Work, leg: str) -> None:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{time.time_ns() // 1000 % 1000000:06d}"
     name = f"{leg}-{work.tag}" if work.tag else leg
     if leg in ("hf", "kt"):
         out_dir = work.root / "legs" / f"{name}-{stamp}"
@@ -401,6 +441,8 @@ def phase_run(work: Work, leg: str) -> None:
         result["command"] = argv
         result["run_dir"] = str(follower.run_dir())
     else:  # kt-profile
+        if work.warmup < 1:
+            raise SystemExit("kt-profile needs --warmup 1 or more (KT's timers are reset after that step)")
         out_dir = work.root / "legs" / f"{name}-{stamp}"
         argv, env = _bare_argv(work, "kt", out_dir)
         profile_json = out_dir / "kt_profile.json"
@@ -409,9 +451,17 @@ def phase_run(work: Work, leg: str) -> None:
         env["KT_SFT_PROFILE"] = "1"
         result = measure(argv, env=env, log=out_dir / "train.log", trainer_log=out_dir / "output/trainer_log.jsonl",
                          warmup=work.warmup)
-        result["kt_timers"] = _summarize_profile(json.loads(profile_json.read_text())) if profile_json.is_file() \
-            else "no profile written (see the log)"
+        if profile_json.is_file():
+            shutil.copyfile(profile_json, work.results / f"{name}.raw.json")
+            result["kt_profile_raw"] = f"{name}.raw.json"
+            result["kt_timers"] = _summarize_profile(json.loads(profile_json.read_text()))
+        else:
+            result["kt_timers"] = "no profile written (see the log)"
     result["sets"] = work.extra_sets
+    result["stamp"] = stamp
+    # <leg>.json is the latest run of a leg (what report reads); every run is also kept in history/
+    (work.results / "history").mkdir(parents=True, exist_ok=True)
+    (work.results / "history" / f"{name}-{stamp}.json").write_text(json.dumps(result, indent=2))
     (work.results / f"{name}.json").write_text(json.dumps(result, indent=2))
     print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('losses', 'command')})}", flush=True)
 
@@ -452,20 +502,29 @@ class _LazyPath:
 
 
 def _summarize_profile(doc: dict[str, Any]) -> dict[str, Any]:
-    """Seconds per step inside KT's MoE layers, summed over layers (KT's wrapper timers: the CPU
-    experts' forward, backward and backward weight repack), against the step's wall time: the
-    rest is GPU work and the framework."""
-    stages = {"forward": "wrapper.tp.forward.total.total_ns", "backward": "wrapper.tp.backward.total.total_ns",
-              "backward_repack": "wrapper.weights.backward_repack.total_ns"}
-    totals = dict.fromkeys(stages, 0.0)
+    """Seconds per step that KT's MoE layers hold the step up, summed over layers (KT's wrapper
+    timers), against the step's wall time: the rest is GPU work and the framework.
+
+    Forward and backward block the step. The backward weight repack runs in the background
+    (submitted ahead for the next layer); only its ``backward_repack_wait`` blocks, so the repack's
+    total work is reported beside, not added in.
+    """
+    blocking = {"forward": "wrapper.tp.forward.total.total_ns", "backward": "wrapper.tp.backward.total.total_ns",
+                "backward_repack_wait": "wrapper.weights.backward_repack_wait.total_ns"}
+    background = {"backward_repack": "wrapper.weights.backward_repack.total_ns"}
+    totals = dict.fromkeys([*blocking, *background], 0.0)
+    calls = 0.0
     for raw in doc["profile"].get("layers", {}).values():
-        for stage, key in stages.items():
+        for stage, key in (blocking | background).items():
             totals[stage] += raw.get(key, 0.0) / 1e9
+        calls += raw.get("wrapper.weights.backward_repack.calls", 0.0)
     steps = max(1, doc["steps"])
     step_s = doc["wall_s"] / steps
     per_step = {k: round(v / steps, 2) for k, v in totals.items()}
+    held = sum(per_step[k] for k in blocking)
     return {"profiled_steps": doc["steps"], "step_s": round(step_s, 2), "kt_moe_s_per_step": per_step,
-            "kt_moe_share": round(sum(per_step.values()) / step_s, 3) if step_s else None,
+            "kt_moe_blocking_s_per_step": round(held, 2), "kt_moe_share": round(held / step_s, 3) if step_s else None,
+            "backward_repack_calls_per_step": calls / steps,
             "enabled": doc["profile"].get("enabled"), "table": doc["table"]}
 
 
@@ -477,7 +536,11 @@ def _cell(value: float | int | None) -> str:
 
 def phase_report(work: Work, json_out: Path | None) -> int:
     results = {f.stem: json.loads(f.read_text()) for f in sorted(work.results.glob("*.json"))
-               if f.stem not in ("prepare", "host")}
+               if f.stem not in ("prepare", "host") and not f.name.endswith(".raw.json")}
+    for r in results.values():  # KT's timers are summarized again from the raw profile, if it was kept
+        raw = work.results / r.get("kt_profile_raw", "-")
+        if raw.is_file():
+            r["kt_timers"] = _summarize_profile(json.loads(raw.read_text()))
     prep = json.loads((work.results / "prepare.json").read_text()) if (work.results / "prepare.json").is_file() else {}
     host = json.loads((work.results / "host.json").read_text()) if (work.results / "host.json").is_file() else {}
     hf, kt, kf = results.get("hf"), results.get("kt"), results.get("ktflow")
@@ -488,9 +551,9 @@ def phase_report(work: Work, json_out: Path | None) -> int:
         return f"{x[key] / y[key]:.2f}x"
 
     rows = [("LlamaFactory tokens/s", "tokens_per_s_llamafactory"), ("steady tokens/s", "tokens_per_s_steady"),
-            ("steady step s", "steady_step_s"), ("load s", "load_s"), ("wall s", "wall_s"),
-            ("peak GPU MiB", "peak_gpu_mib"), ("peak host RSS GiB", "peak_host_rss_gib"),
-            ("final loss", "final_loss")]
+            ("steady step s", "steady_step_s"), ("load s (estimate)", "load_s"), ("wall s", "wall_s"),
+            ("peak GPU MiB over idle", "peak_gpu_mib"), ("peak host RSS GiB", "peak_host_rss_gib"),
+            ("steps run", "steps"), ("final loss", "final_loss")]
     for r in results.values():
         r["final_loss"] = r["losses"][-1] if r.get("losses") else None
     named = {"hf": "a HF", "kt": "b bare KT", "ktflow": "c ktflow", "ktflow-hf": "ktflow HF"}
@@ -501,10 +564,13 @@ def phase_report(work: Work, json_out: Path | None) -> int:
     pairs += [(f"{leg}/HF", leg, "hf") for _, leg in columns if leg not in named and "hf" in results]
     print(f"host: {host.get('gpu', '?')}; {host.get('cpu', '?')}, {host.get('physical_cores', '?')} cores")
     print(f"model: {prep.get('model_bytes', 0) / 1e9:.1f} GB; data (tokens per record): {prep.get('token_lengths')}")
+    print(f"toolchain: {host.get('toolchain', '?')}")
+    print("ratios are first/second of the pair named: for tokens/s above 1 favours the first, for times and memory "
+          "below 1 does")
     print(f"{'':22}" + "".join(f"{name:>12}" for name, _ in columns) + "".join(f"{label:>13}" for label, *_ in pairs))
     for label, key in rows:
         cells = [_cell(results[leg].get(key)) for _, leg in columns]
-        ratios = [ratio(results[x], results[y], key) for _, x, y in pairs]
+        ratios = ["" if key in ("final_loss", "steps") else ratio(results[x], results[y], key) for _, x, y in pairs]
         print(f"{label:22}" + "".join(f"{c:>12}" for c in cells) + "".join(f"{r:>13}" for r in ratios))
     summary: dict[str, Any] = {"host": host, "prepare": prep, "legs": results}
     if kt and kf:
@@ -532,8 +598,9 @@ def phase_report(work: Work, json_out: Path | None) -> int:
         if not isinstance(prof, dict):
             continue
         print(f"{leg} {results[leg].get('sets') or ''}")
-        print(f"KT timers over {prof['profiled_steps']} steps: step {prof['step_s']} s, in KT MoE layers "
-              f"{prof['kt_moe_s_per_step']} s/step ({prof['kt_moe_share']} of the step)")
+        print(f"KT timers over {prof['profiled_steps']} steps: step {prof['step_s']} s; KT's MoE layers hold it "
+              f"{prof.get('kt_moe_blocking_s_per_step')} s ({prof['kt_moe_share']} of the step); per stage and step: "
+              f"{prof['kt_moe_s_per_step']} (backward_repack runs in the background: only its wait blocks)")
         print(prof["table"])
     for leg, r in results.items():
         if r.get("sets"):
@@ -546,7 +613,7 @@ def phase_report(work: Work, json_out: Path | None) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("phase", choices=("prepare", "run", "report", "all", "_token_lengths", "_prepare_data",
-                                          "_profile_train"))
+                                          "_profile_train", "_toolchain"))
     parser.add_argument("legs", nargs="*")
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
     parser.add_argument("--workdir", default=str(REPO / "build/bench-kt-vs-hf"),
@@ -566,6 +633,9 @@ def main() -> int:
     if args.phase == "_token_lengths":
         print(json.dumps(child_token_lengths(Path(args.legs[0]), Path(args.legs[1]))))
         return 0
+    if args.phase == "_toolchain":
+        print(json.dumps(child_toolchain()))
+        return 0
     if args.phase == "_prepare_data":
         child_prepare_data(Path(args.legs[0]), json.loads(args.legs[1]), Path(args.legs[2]))
         return 0
@@ -576,6 +646,11 @@ def main() -> int:
     if args.phase in ("prepare", "all"):
         phase_prepare(work)
         host = host_info(())
+        host["toolchain"] = json.loads(work.child("_toolchain").strip().splitlines()[-1])
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+        host["cpu_isa"] = sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f")))
+        host["numa_nodes"] = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
         host["gpu"] = (subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                                       capture_output=True, text=True).stdout.strip()
                        if shutil.which("nvidia-smi") else "none")

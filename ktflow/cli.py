@@ -234,12 +234,16 @@ def _sft_dry_run(recipe, host, *, as_json: bool) -> int:
     import shlex
 
     from ktflow.dataset import dataset_digest
-    from ktflow.sft import dump_yaml, render_sft, run_dir_for, run_key
+    from ktflow.sft import check_kt_model, dump_yaml, render_sft, run_dir_for, run_key
     from ktflow.weights import expected_training_weights
 
     model_dir = expected_training_weights(recipe).absolute()
     config_path = model_dir / "config.json"
     model_config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    try:  # a dry run shows the plan anyway; the real run refuses it
+        check_kt_model(recipe, model_config, config_path)
+    except InvalidInputError as exc:
+        err.print(f"[yellow]warning[/]: ktflow sft would refuse this: {exc}", markup=True)
     if all(Path(f).is_file() for f in recipe.dataset.files) and (recipe.sft.template != "empty" or model_config):
         data = dataset_digest(recipe.dataset, template=recipe.sft.template,
                               model_dir=model_dir if recipe.sft.template == "empty" else None)

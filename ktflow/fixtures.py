@@ -1,26 +1,28 @@
-"""Tiny, faithful stand-ins for the giant checkpoints ktflow handles, for tests and demos.
+"""Faithful stand-ins for the giant checkpoints ktflow handles, for tests, demos and benchmarks.
 
-:func:`make_fixture` writes a random DeepSeek-V3-architecture model in one of four on-disk
-formats (see :data:`FixtureKind`), with the real checkpoints' tensor names, dtypes, config
-layout, sharding and companion tensors, plus a trained byte-level BPE tokenizer with a ChatML
-template. The ``deepseek-v2-lite`` kind is a BF16 ``DeepseekV2ForCausalLM``; with
-``full_size`` it has DeepSeek-V2-Lite's real dimensions (15.7B parameters, 31 GB), for
-benchmarks that need the real model's cost without downloading it. Quantized bytes are produced by compressed-tensors itself (the reference library),
-not by ktflow's own decoder, so tests that decode them compare two independent codes.
+:func:`make_fixture` writes a random MoE with the real checkpoints' tensor names, dtypes,
+config layout, sharding and companion tensors, plus a trained byte-level BPE tokenizer with a
+ChatML template (see :data:`FixtureKind`):
 
-Every kind built from the same ``seed`` quantizes the same BF16 weights, so a decoded
-quantized fixture can be compared with the ``bf16`` fixture of that seed.
+- four tiny DeepSeek-V3-architecture kinds in the on-disk formats ktflow reads (``bf16``,
+  ``kimi-k2.5``, ``kimi-k2``, ``deepseek-v3``). Quantized bytes are produced by compressed-tensors
+  itself (the reference library), not by ktflow's own decoder, so tests that decode them compare
+  two independent codes. These four quantize the same BF16 weights for a given ``seed``, so a
+  decoded quantized fixture can be compared with the ``bf16`` fixture of that seed;
+- ``deepseek-v2-lite``: a BF16 MoE with DeepSeek-V2-Lite's structure, tiny or (``full_size``) at
+  its real dimensions (15.7B parameters, 31 GB), for benchmarks that need the real model's cost
+  without downloading it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +43,8 @@ FP8_BLOCK = 128
 # rank of 128, so a multiple of 128 fits FP8 blocks, INT4 groups of 32 and kt-kernel INT8
 # (hidden and moe_intermediate / T multiples of 64 for T = 1, 2).
 DIM_MULTIPLE = 128
+# Disk the full-size deepseek-v2-lite fixture needs: 31.4 GB of shards plus its 2-layer template.
+_FULL_SIZE_BYTES = 34_000_000_000
 
 CODE_DIR = Path(__file__).parent / "_fixture_code"
 # Remote code shipped with each kind (file names as in the real checkpoints where they exist).
@@ -201,6 +205,13 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCa
             "pick a new output directory or delete this one.",
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if spec.full_size:
+        free = shutil.disk_usage(out_dir.parent).free
+        if free < _FULL_SIZE_BYTES:
+            raise InvalidInputError(
+                str(out_dir.parent), f"has {free / 1e9:.1f} GB free; the full-size deepseek-v2-lite fixture writes "
+                f"{_FULL_SIZE_BYTES / 1e9:.0f} GB (31.4 GB of shards and a 2-layer template).",
+                "free disk space or pick another output directory.")
     build_dir = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     build_dir.mkdir()
     try:
@@ -412,13 +423,14 @@ def _deepseek_v2_lite_config(spec: FixtureSpec, *, vocab_size: int, eos_id: int,
 
 
 def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: ProgressCallback | None) -> None:
-    """A random BF16 ``DeepseekV2ForCausalLM``, one shard per layer, streamed.
+    """A random BF16 ``spec.architecture`` model, one shard per layer, streamed.
 
     The full-size model (31 GB) is never held whole: transformers builds and saves a 2-layer
     model of the same width (the dense layer 0 and MoE layer 1, plus embeddings, norm and
     lm_head), which gives the real on-disk names, shapes and init; every later MoE layer repeats
-    layer 1's tensors with fresh seeded values (norms 1, the rest N(0, initializer_range)),
-    generated on all cores one layer at a time.
+    layer 1's tensors with fresh values, each from its own seeded generator, on all cores, one
+    layer at a time. A tensor transformers initializes to a constant (norms: 1, V3's routing
+    correction bias: 0) keeps that constant; the rest are N(0, initializer_range).
     """
     from safetensors.torch import load_file
     from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
@@ -452,9 +464,10 @@ def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: Progre
     moe_layer = {name: t for name, t in template.items() if ".layers.1." in name}
 
     def fresh(name: str, like: torch.Tensor) -> torch.Tensor:
-        if like.dim() == 1 and name.endswith("norm.weight"):
-            return torch.ones_like(like)
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:{name}".encode()))
+        if bool((like == like.flatten()[0]).all()):
+            return like.clone()
+        digest = hashlib.blake2b(f"{spec.seed}:{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest) >> 1)  # 63 bits: a valid seed
         return torch.randn(like.shape, generator=generator).mul_(std).to(like.dtype)
 
     def shards() -> Iterator[dict[str, torch.Tensor]]:

@@ -536,6 +536,13 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _weights_fit_the_source(self) -> Recipe:
         fmt = self.source.format
+        if self.sft.backend == "kt" and "deepseek-v2" in (self.source.repo_id or "").lower():
+            # Before a download: kt-kernel 0.7.2 stops at the first step on DeepSeek-V2 (ktflow.sft.check_kt_model).
+            raise ValueError(
+                f"@sft.backend: kt (KTransformers 0.7) cannot train {self.source.repo_id}: kt-kernel 0.7.2's "
+                "DeepSeek-V2 path expects a gate returning (topk_ids, topk_weights), which DeepSeek-V2's gate does "
+                "not; use backend: kt-legacy (recipes/deepseek-v2-lite-bf16.yaml) or hf"
+            )
         if self.sft.backend == "kt" and self.sft.kt_config is not None:
             weights = self.sft.kt_config.effective_weight_format
             if weights == "rawint4" and fmt not in INT4_FORMATS:

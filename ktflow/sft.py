@@ -140,15 +140,16 @@ def check_kt_model(recipe: Recipe, model_config: dict[str, Any] | None, config_p
     """
     if recipe.sft.backend != "kt" or model_config is None:
         return
-    configs = (model_config, model_config.get("text_config") or {})
-    if any(c.get("model_type") == "deepseek_v2" or any("DeepseekV2" in a for a in c.get("architectures") or [])
-           for c in configs):
-        raise InvalidInputError(
-            f"{config_path}: model_type deepseek_v2 with sft.backend kt",
-            "kt-kernel 0.7.2 cannot train DeepSeek-V2 models: its MoE wrapper expects the gate to return "
-            "(topk_ids, topk_weights), and DeepSeek-V2's gate does not, so training would stop at its first step",
-            "train DeepSeek-V2 with sft.backend: kt-legacy (recipes/deepseek-v2-lite-bf16.yaml) or hf",
-        )
+    for cfg in (model_config, model_config.get("text_config") or {}):
+        found = "model_type deepseek_v2" if cfg.get("model_type") == "deepseek_v2" else next(
+            (f"architecture {a}" for a in cfg.get("architectures") or [] if "DeepseekV2" in a), None)
+        if found:
+            raise InvalidInputError(
+                f"{config_path}: {found} with sft.backend kt",
+                "kt-kernel 0.7.2 cannot train DeepSeek-V2 models: its MoE wrapper expects the gate to return "
+                "(topk_ids, topk_weights), and DeepSeek-V2's gate does not, so training would stop at its first step",
+                "train DeepSeek-V2 with sft.backend: kt-legacy (recipes/deepseek-v2-lite-bf16.yaml) or hf",
+            )
 
 
 def render_sft(

@@ -213,5 +213,8 @@ def test_sft_refuses_the_kt_backend_on_deepseek_v2_before_anything_runs(fixture_
                     "--set", f"dataset.files=[{data}]", "--set", f"store.root={store}")
     assert result.returncode == 2, result.stderr
     assert "model_type deepseek_v2 with sft.backend kt" in result.stderr
+    dry = ktflow("sft", str(REPO / "benchmarks/recipes/v2-lite-kt.yaml"), "--dry-run", "--json", "--set",
+                 f"source.local_path={model}", "--set", f"dataset.files=[{data}]", "--set", f"store.root={store}")
+    assert dry.returncode == 0 and "would refuse" in dry.stderr and json.loads(dry.stdout)["launch"]
     assert "kt-legacy" in result.stderr and "Traceback" not in result.stderr
     assert not (store / "runs").exists()

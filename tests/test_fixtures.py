@@ -288,31 +288,35 @@ def test_the_demo_model_is_made_once_and_replaced_when_made_from_another_spec(tm
 # --------------------------------------------------------------------------- deepseek-v2-lite
 
 
-def test_deepseek_v2_lite_streamed_layers_match_what_transformers_saves(fixture_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("architecture", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_deepseek_v2_lite_streamed_layers_match_what_transformers_saves(fixture_dir, tmp_path: Path,
+                                                                        architecture: str) -> None:
     """Layers past the 2-layer template are generated, not saved by transformers: their names,
-    shapes and dtypes must be exactly what save_pretrained of the whole model writes."""
-    from transformers import AutoConfig, DeepseekV2ForCausalLM
+    shapes and dtypes must be exactly what save_pretrained of the whole model writes, and their
+    values must be transformers' constants where it uses one and independent draws elsewhere."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = fixture_dir("deepseek-v2-lite", layers=4)
+    path = fixture_dir("deepseek-v2-lite", layers=4, architecture=architecture)
     config = AutoConfig.from_pretrained(path)
-    assert config.architectures == ["DeepseekV2ForCausalLM"] and config.num_hidden_layers == 4
+    assert config.architectures == [architecture] and config.num_hidden_layers == 4
     assert (config.q_lora_rank, config.n_shared_experts, config.num_experts_per_tok) == (None, 2, 6)
     with torch.random.fork_rng(devices=[]):
-        DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "whole")
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "whole")
     whole = {}
     for shard in (tmp_path / "whole").glob("*.safetensors"):
-        whole.update({n: (tuple(t.shape), str(t.dtype)) for n, t in read_header(shard).tensors.items()})
-    ours = {n: (tuple(t.shape), str(t.dtype)) for shard in set(index_of(path)["weight_map"].values())
-            for n, t in read_header(path / shard).tensors.items()}
-    assert ours == whole
+        whole.update(load_file(shard))
     tensors = all_tensors(path)
-    # generated layers: N(0, 0.02) weights, unit norms, each tensor its own draw
-    gen = tensors["model.layers.3.mlp.experts.5.up_proj.weight"].float()
-    assert abs(gen.std().item() - 0.02) < 0.002
-    assert torch.equal(tensors["model.layers.3.input_layernorm.weight"],
-                       torch.ones_like(tensors["model.layers.3.input_layernorm.weight"]))
-    assert not torch.equal(tensors["model.layers.2.mlp.experts.5.up_proj.weight"],
-                           tensors["model.layers.3.mlp.experts.5.up_proj.weight"])
+    assert {n: (t.shape, t.dtype) for n, t in tensors.items()} == {n: (t.shape, t.dtype) for n, t in whole.items()}
+    constant = [n for n, t in whole.items() if bool((t == t.flatten()[0]).all())]
+    assert any(n.endswith("input_layernorm.weight") for n in constant)
+    if architecture == "DeepseekV3ForCausalLM":
+        assert "model.layers.3.mlp.gate.e_score_correction_bias" in constant
+    for name in constant:
+        assert torch.equal(tensors[name], whole[name]), name
+    generated = {n: t for n, t in tensors.items() if re.search(r"\.layers\.[23]\.", n) and n not in constant}
+    assert abs(generated["model.layers.3.mlp.experts.5.up_proj.weight"].float().std().item() - 0.02) < 0.002
+    first_values = {tuple(t.flatten()[:16].tolist()) for t in generated.values()}
+    assert len(first_values) == len(generated)  # every generated tensor is its own draw
 
 
 def test_deepseek_v2_lite_trains_natively(fixture_dir) -> None:

@@ -372,3 +372,13 @@ def test_cpu_activation_recompute_needs_gpu_gradient_checkpointing() -> None:
     for ok in (["sft.kt_cpu_activation=retain", "sft.disable_gradient_checkpointing=true"],
                ["sft.kt_cpu_activation=null", "sft.disable_gradient_checkpointing=true"]):  # unset: follows the GPU side
         load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", ok)
+
+
+def test_kt_backend_on_a_deepseek_v2_hub_model_is_refused_before_any_download() -> None:
+    from ktflow.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as info:
+        load_recipe(RECIPES / "deepseek-v2-lite-bf16.yaml",
+                    ["sft.backend=kt", "sft.kt_optimize_rule=null", "sft.cpu_infer=null", "sft.chunk_size=null",
+                     "sft.kt_config={kt_backend: AMXBF16}"])
+    assert "cannot train deepseek-ai/DeepSeek-V2-Lite-Chat" in str(info.value) and "kt-legacy" in str(info.value)
