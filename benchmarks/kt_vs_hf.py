@@ -60,6 +60,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +189,7 @@ class Sampler:
     """Peak RSS of a process tree, peak GPU memory, when marked children run, and when each
     ``trainer_log.jsonl`` line appears, all from outside the leg."""
 
-    def __init__(self, pid: int, trainer_log: Path, child_marker: str | None) -> None:
+    def __init__(self, pid: int, trainer_log: Callable[[], Path | None], child_marker: str | None) -> None:
         import psutil
 
         self.proc = psutil.Process(pid)
@@ -242,13 +243,14 @@ class Sampler:
     def _log(self) -> None:
         offset = 0
         while not self._stop.is_set():
-            if self.trainer_log.is_file():
-                with open(self.trainer_log) as fh:
+            path = self.trainer_log()
+            if path is not None and path.is_file():
+                with open(path, "rb") as fh:
                     fh.seek(offset)
                     chunk = fh.read()
-                complete = chunk[: chunk.rfind("\n") + 1]
-                offset += len(complete.encode())
-                for line in complete.splitlines():
+                complete = chunk[: chunk.rfind(b"\n") + 1]
+                offset += len(complete)
+                for line in complete.decode().splitlines():
                     try:
                         self.stamps.append((self.now(), json.loads(line)))
                     except ValueError:
@@ -272,8 +274,8 @@ def _gpu_used_mib() -> int | None:
     return int(out.stdout.strip()) if out.returncode == 0 else None
 
 
-def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Path, warmup: int,
-            child_marker: str | None = None) -> dict[str, Any]:
+def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Path | Callable[[], Path | None],
+            warmup: int, child_marker: str | None = None) -> dict[str, Any]:
     """Run one leg and derive its figures (see the module docstring).
 
     Steady figures cover logged steps ``warmup + 2`` to the last: a line is stamped when it
@@ -284,7 +286,8 @@ def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Pat
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=REPO, start_new_session=True)
         try:
-            sampler = Sampler(proc.pid, trainer_log, child_marker)
+            find_log = trainer_log if callable(trainer_log) else (lambda: trainer_log)
+            sampler = Sampler(proc.pid, find_log, child_marker)
             rc = proc.wait()
             wall = sampler.now()
             time.sleep(0.3)  # the log follower's last poll
@@ -435,11 +438,10 @@ def phase_run(work: Work, leg: str) -> None:
                 *[a for s in work.overrides(store, backend) for a in ("--set", s)]]
         log = work.root / "legs" / f"{name}-{stamp}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        follower = _NewestTrainerLog(store)
-        result = measure(argv, env=work.env(), log=log, trainer_log=follower.path, warmup=work.warmup,
-                         child_marker="llamafactory-cli")
+        result = measure(argv, env=work.env(), log=log, trainer_log=lambda: _trainer_log_under(store),
+                         warmup=work.warmup, child_marker="llamafactory-cli")
         result["command"] = argv
-        result["run_dir"] = str(follower.run_dir())
+        result["run_dir"] = str(_trainer_log_under(store).parent.parent)
     else:  # kt-profile
         if work.warmup < 1:
             raise SystemExit("kt-profile needs --warmup 1 or more (KT's timers are reset after that step)")
@@ -466,39 +468,10 @@ def phase_run(work: Work, leg: str) -> None:
     print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('losses', 'command')})}", flush=True)
 
 
-class _NewestTrainerLog:
-    """``ktflow sft`` picks its run directory (a content key) itself: follow whichever appears."""
-
-    def __init__(self, store: Path) -> None:
-        self.store = store
-
-    def run_dir(self) -> Path | None:
-        runs = sorted((self.store / "runs").glob("*/output"), key=lambda p: p.stat().st_mtime) \
-            if (self.store / "runs").is_dir() else []
-        return runs[-1].parent if runs else None
-
-    @property
-    def path(self) -> Path:
-        return _LazyPath(self)  # type: ignore[return-value]
-
-
-class _LazyPath:
-    """A Path-like whose target is resolved at each ``is_file``/``open`` (the run dir appears later)."""
-
-    def __init__(self, follower: _NewestTrainerLog) -> None:
-        self.follower = follower
-
-    def _target(self) -> Path | None:
-        run = self.follower.run_dir()
-        return None if run is None else run / "output/trainer_log.jsonl"
-
-    def is_file(self) -> bool:
-        target = self._target()
-        return target is not None and target.is_file()
-
-    def __fspath__(self) -> str:
-        target = self._target()
-        return str(target) if target else "/nonexistent"
+def _trainer_log_under(store: Path) -> Path | None:
+    """``ktflow sft`` names its run directory (a content key) itself: the newest one's log."""
+    runs = sorted(store.glob("runs/*/output"), key=lambda p: p.stat().st_mtime)
+    return runs[-1] / "trainer_log.jsonl" if runs else None
 
 
 def _summarize_profile(doc: dict[str, Any]) -> dict[str, Any]:
