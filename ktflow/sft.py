@@ -329,6 +329,30 @@ def _checkpoint_is_complete(ckpt: Path) -> bool:
     return True
 
 
+def _is_final_checkpoint(ckpt: Path) -> bool:
+    """Whether ``ckpt`` was saved at the run's last step (its trainer state says so)."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    return 0 < int(state.get("max_steps") or 0) <= int(state.get("global_step") or 0)
+
+
+def _adapter_from_checkpoint(ckpt: Path, output_dir: Path) -> None:
+    """Put the final checkpoint's adapter where LlamaFactory's final save would have, unless a
+    complete one is there already (the kill came after that save)."""
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        target = output_dir / name
+        try:
+            if name.endswith(".safetensors"):
+                read_header(target)
+            else:
+                json.loads(target.read_text())
+            continue
+        except (OSError, ValueError, KtflowError):
+            pass
+        partial = target.with_name(f".{name}.partial")
+        shutil.copyfile(ckpt / name, partial)
+        os.replace(partial, target)
+
+
 class _TrainerLogFollower:
     """Tail ``trainer_log.jsonl`` while training runs and report each new record."""
 
@@ -549,8 +573,13 @@ def run_sft(
             progress(record)
 
     forward = ThrottledLines(log or (lambda line: None), keep=lambda line: "Error" in line or "error" in line)
-    with _TrainerLogFollower(output_dir / TRAINER_LOG, on_progress):
-        run_tool(argv, env=env, log_path=run_dir / "train.log", on_line=forward, timeout_s=timeout_s)
+    if resume is not None and recipe.sft.finetuning_type == "lora" and _is_final_checkpoint(resume):
+        # Killed after the last step's checkpoint, before publishing: a resume from it would make
+        # transformers train one step past max_steps. The checkpoint holds the final adapter.
+        _adapter_from_checkpoint(resume, output_dir)
+    else:
+        with _TrainerLogFollower(output_dir / TRAINER_LOG, on_progress):
+            run_tool(argv, env=env, log_path=run_dir / "train.log", on_line=forward, timeout_s=timeout_s)
 
     missing = [n for n in ("adapter_model.safetensors", "adapter_config.json") if not (output_dir / n).is_file()]
     if recipe.sft.finetuning_type == "lora" and missing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,3 +327,28 @@ def test_legacy_render_passes_llamafactory_094_argument_parsing(tmp_path: Path) 
     bad_run = subprocess.run([str(TRAIN_PYTHON), "-c", code, json.dumps(bad)], capture_output=True, text=True, env=env)
     bad_result = next(l for l in bad_run.stdout.splitlines() if l.startswith("RESULT"))
     assert "kt_optimize_rle" in bad_result and "distribution was not found" not in bad_result, bad_result
+
+
+@needs_train_env
+def test_a_kill_after_the_last_checkpoint_publishes_it_without_training_past_max_steps(tmp_path: Path,
+                                                                                       fixture_dir) -> None:
+    """Killed after checkpoint-N (N = max_steps) but before publishing: resuming would have made
+    transformers train step N+1; the final checkpoint's adapter is published instead."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = fixture_dir("bf16")
+    recipe = _recipe(tmp_path, model, "sft.max_steps=4", "sft.save_steps=2")
+    done = run_sft(recipe, model_dir=model, host=probe_host())
+    output = done.run_dir / "output"
+    final = load_file(output / "checkpoint-4" / "adapter_model.safetensors")
+    shutil.rmtree(done.adapter_dir)  # as if killed before publishing ...
+    (output / "adapter_model.safetensors").write_bytes(b"\0" * 10)  # ... in the middle of the final save
+    again = run_sft(recipe, model_dir=model, host=probe_host())
+    assert not again.cached and again.resumed_from is not None and again.resumed_from.endswith("checkpoint-4")
+    assert again.steps == 4
+    log = (output / "trainer_log.jsonl").read_text()
+    assert '"current_steps": 5' not in log
+    published = load_file(again.adapter_dir / "adapter_model.safetensors")
+    assert sorted(published) == sorted(final)
+    assert all(torch.equal(published[n], final[n]) for n in final)
