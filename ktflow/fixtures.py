@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from safetensors.torch import save_file
 
 from ktflow.errors import InvalidInputError
+from ktflow.store import check_free_space
 
 FixtureKind = Literal["kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16", "deepseek-v2-lite"]
 FIXTURE_KINDS: tuple[str, ...] = get_args(FixtureKind)
@@ -197,6 +198,7 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCa
 
     Raises:
         InvalidInputError: ``out_dir`` exists and is not an empty directory.
+        HostRequirementError: too little free disk for a full-size fixture.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -206,12 +208,7 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCa
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if spec.full_size:
-        free = shutil.disk_usage(out_dir.parent).free
-        if free < _FULL_SIZE_BYTES:
-            raise InvalidInputError(
-                str(out_dir.parent), f"has {free / 1e9:.1f} GB free; the full-size deepseek-v2-lite fixture writes "
-                f"{_FULL_SIZE_BYTES / 1e9:.0f} GB (31.4 GB of shards and a 2-layer template).",
-                "free disk space or pick another output directory.")
+        check_free_space(out_dir, _FULL_SIZE_BYTES, what="the full-size deepseek-v2-lite fixture", files=40)
     build_dir = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     build_dir.mkdir()
     try:
