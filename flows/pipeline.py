@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from ktflow.dataset import validate_dataset
 from ktflow.errors import InvalidInputError, KtflowError, NoWorkerError
-from ktflow.evaluate import load_eval_records
+from ktflow.evaluate import refuse_contaminated_gate
 from ktflow.pools import WorkPoolSpec, pool_for_stage
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.hardware import HostInfo, probe_host
@@ -53,11 +53,11 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     ``ktflow doctor`` says. A distributed run (no ``host``) lets the stage's own host decide.
 
     The dataset (and the evaluation set) are validated first: a bad record fails the run in
-    seconds, not after a download and a dequantize.
+    seconds, not after a download and a dequantize; so does an enforced promotion gate on an
+    evaluation set that overlaps the training data (it could never promote).
     """
     validate_dataset(recipe.dataset)
-    if recipe.evaluation.enabled:
-        load_eval_records(recipe.evaluation)
+    refuse_contaminated_gate(recipe)
     plans = {p.stage: p for p in plan_stages(recipe, host)}
     store = recipe.store.root
     rows: list[dict[str, Any]] = []
@@ -110,7 +110,7 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     if plans["evaluate"].needed:
         # The base model for the comparison is the one the adapter was trained on.
         report = call("evaluate", recipe=recipe, model_dir=str(model_dir), endpoint=endpoint)
-        record("evaluate", f"adapter applied: {report.adapter_applied}, promoted: {report.promoted}")
+        record("evaluate", evaluation_verdict(report))
         outcome["evaluation"] = str(report.report_md)
     else:
         record("evaluate", "-")
@@ -119,6 +119,13 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
                        endpoint=endpoint)
     outcome["stages"] = rows
     return outcome
+
+
+def evaluation_verdict(report: Any) -> str:
+    """The evaluate row of the stage table: adapter check, promotion, and the train/eval overlap."""
+    overlap = report.contamination
+    return (f"adapter applied: {report.adapter_applied}, promoted: {report.promoted}, train/eval overlap: "
+            f"{overlap.count}/{overlap.eval_prompts}")
 
 
 def _call_task(stage: StageName, **parameters: Any) -> Any:

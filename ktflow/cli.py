@@ -416,6 +416,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                     out_dir=(recipe.store.root / "eval" / recipe.name).absolute(),
                                     log=lambda line: err.print(line, markup=False, highlight=False))
     out.print(result.table, markup=False)
+    overlap = result.contamination
+    out.print(overlap.summary() + (f": {overlap.named()}" if overlap.count else ""), markup=False)
     out.print(f"adapter applied: {'yes' if result.adapter_applied else 'NO'}; promoted: "
               f"{'yes' if result.promoted else 'no'} (on {result.gate_metric}); report: {result.report_md}")
     failure = result.gate_failure()
@@ -541,10 +543,16 @@ def _demo_checkout() -> Path:
 
 
 def _print_side_by_side(report_json: Path) -> None:
-    """One held-out prompt: the reference answer, the base model's and the tuned model's."""
+    """One evaluation prompt: the reference answer, the base model's and the tuned model's.
+
+    The demo's evaluation prompts are not in its training data; the title says "unseen" only
+    when the report's overlap check found none.
+    """
     report = json.loads(report_json.read_text(encoding="utf-8"))
     base, tuned = report["base"]["predictions"][0], report["tuned"]["predictions"][0]
-    table = Table(title=f"one held-out prompt: {base['prompt']!r}", show_lines=True)
+    unseen = not report.get("contamination", {}).get("overlaps", [None])
+    what = "one unseen prompt (not in the training data)" if unseen else "one evaluation prompt"
+    table = Table(title=f"{what}: {base['prompt']!r}", show_lines=True)
     for column in ("expected (training data's style)", "base model", "tuned model"):
         table.add_column(column, overflow="fold")
     table.add_row(base["reference"], base["prediction"], tuned["prediction"])

@@ -150,6 +150,30 @@ def validate_dataset(cfg: DatasetConfig) -> int:
     return count
 
 
+def user_prompts(cfg: DatasetConfig) -> Iterator[tuple[str, str]]:
+    """Every user message of every good record, as ``(file:line, text)``, in file order.
+
+    Records are read as training reads them (alpaca's ``instruction\\ninput`` is one user
+    message). Bad records are skipped: :func:`validate_dataset` is what reports them.
+
+    Raises:
+        DatasetError: a file cannot be read at all (missing, empty, not JSON): what it holds is
+            unknown, so nothing may be concluded from its absence.
+    """
+    _check_config(cfg)
+    for item in _normalized_records(cfg):
+        if isinstance(item, BadRecord):
+            if item.line == 0:
+                raise DatasetError("dataset.files", str(item), "fix the training data's path or file")
+            continue
+        where, normalized = item
+        at = f"{where.file}:{where.line if where.unit == 'line' else f'record {where.line}'}"
+        for message in normalized.messages:
+            content = message.get("content")
+            if message.get("role") == "user" and isinstance(content, str) and content.strip():
+                yield at, content
+
+
 def dataset_digest(cfg: DatasetConfig, *, template: str, model_dir: Path | None = None) -> str:
     """The digest :func:`prepare_dataset` would give, without parsing or writing anything.
 

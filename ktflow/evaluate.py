@@ -24,6 +24,13 @@ Metrics (all on a 0-100 scale, like LlamaFactory's ``predict_results.json``):
   tokenizer: lowercased ASCII letters and digits, no stemming; text in other scripts scores 0).
 - ``accuracy`` (``task: multiple_choice``): the share of answers whose first standalone option
   letter A-E equals the reference's (an answer starting with the article "A" counts as A).
+- ``style`` (``evaluation.style``): the share of answers that carry the training data's style,
+  a marker string they contain or a regular expression they match. Unlike BLEU/ROUGE against
+  references, it shows whether tuning carries to prompts the model has not seen.
+
+Before any request, the evaluation prompts are checked against the training data
+(:mod:`ktflow.contamination`): the overlap is reported, and a contaminated set is never grounds
+for promotion unless ``evaluation.allow_contamination`` says so.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ktflow.contamination import Contamination, find_overlaps
 from ktflow.errors import DatasetError, KtflowError
-from ktflow.recipe import DatasetConfig, EvaluationConfig, Recipe
+from ktflow.recipe import DatasetConfig, EvaluationConfig, Recipe, StyleMetric
 from ktflow.store import atomic_write_bytes, atomic_write_json
 
 GENERATIVE_METRICS = ("bleu-1", "bleu-2", "bleu-3", "bleu-4", "rouge-1", "rouge-2", "rouge-l")
@@ -150,6 +158,13 @@ def generative_metrics(predictions: Sequence[str], references: Sequence[str]) ->
     return metrics
 
 
+def style_share(predictions: Sequence[str], style: StyleMetric) -> float:
+    """Percent of predictions that carry ``style`` (contain its marker or match its pattern)."""
+    if not predictions:
+        raise ValueError("no predictions")
+    return 100.0 * sum(1 for p in predictions if style.matches(p)) / len(predictions)
+
+
 def multiple_choice_accuracy(predictions: Sequence[str], references: Sequence[str]) -> float:
     """Percent of predictions whose option letter equals the reference's."""
     if not references:
@@ -257,6 +272,8 @@ def evaluate_endpoint(
         if cfg.task == "multiple_choice":
             row.update(predicted_option=option_letter(answer["text"]), reference_option=option_letter(record.reference))
             row["correct"] = row["predicted_option"] is not None and row["predicted_option"] == row["reference_option"]
+        if cfg.style is not None:
+            row["styled"] = cfg.style.matches(answer["text"])
         predictions.append(row)
     texts = [p["prediction"] for p in predictions]
     refs = [r.reference for r in records]
@@ -264,6 +281,8 @@ def evaluate_endpoint(
         metrics = {"accuracy": multiple_choice_accuracy(texts, refs)}
     else:
         metrics = generative_metrics(texts, refs)
+    if cfg.style is not None:
+        metrics["style"] = style_share(texts, cfg.style)
     return EvalReport(model=model, n=len(records), metrics=metrics, predictions=predictions,
                       latency_s=latency_summary([p["latency_s"] for p in predictions]), url=url)
 
@@ -271,12 +290,16 @@ def evaluate_endpoint(
 # --------------------------------------------------------------------------- comparison
 
 
-def compare_reports(base: EvalReport, tuned: EvalReport) -> str:
-    """A markdown table: ``| metric | base | tuned | delta |``, one row per metric both have."""
+def compare_reports(base: EvalReport, tuned: EvalReport, *, style: StyleMetric | None = None) -> str:
+    """A markdown table: ``| metric | base | tuned | delta |``, one row per metric both have.
+
+    ``style``: the recipe's style metric, named in its row (``style ('nya~')``).
+    """
     lines = ["| metric | base | tuned | delta |", "|---|---:|---:|---:|"]
     for name in [m for m in base.metrics if m in tuned.metrics]:
         b, t = base.metrics[name], tuned.metrics[name]
-        lines.append(f"| {name} | {b:.2f} | {t:.2f} | {t - b:+.2f} |")
+        label = (style.label if name == "style" and style is not None else name).replace("|", "\\|")
+        lines.append(f"| {label} | {b:.2f} | {t:.2f} | {t - b:+.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -327,6 +350,49 @@ def adapter_is_applied(
     return any(r["differs"] for r in rows), rows
 
 
+# --------------------------------------------------------------------------- contamination
+
+
+def check_contamination(recipe: Recipe, records: Sequence[EvalRecord] | None = None) -> Contamination:
+    """Which evaluation prompts (``records``, default the recipe's) also occur in its training data.
+
+    Each record's last user message is compared with every user message of ``recipe.dataset``,
+    exactly and normalized (question stems for ``task: multiple_choice``); see
+    :mod:`ktflow.contamination`.
+    """
+    from ktflow.dataset import user_prompts
+
+    records = list(records) if records is not None else load_eval_records(recipe.evaluation)
+    return find_overlaps(((r.source, str(r.messages[-1]["content"])) for r in records), user_prompts(recipe.dataset),
+                         multiple_choice=recipe.evaluation.task == "multiple_choice")
+
+
+def contamination_refusal(contamination: Contamination) -> str:
+    """Why a contaminated evaluation set cannot promote, naming the records and both fixes."""
+    return (f"{contamination.summary()}: {contamination.named()}. A score on prompts the model was trained on "
+            "shows memorization, not that tuning carries to unseen prompts; remove them from evaluation.files (or "
+            "from the training data), or set evaluation.allow_contamination: true to promote anyway")
+
+
+def refuse_contaminated_gate(recipe: Recipe) -> Contamination | None:
+    """Before any heavy work: an enforced gate on a contaminated evaluation set can never pass.
+
+    Returns the overlap found (None when the recipe does not evaluate).
+
+    Raises:
+        DatasetError: the recipe enforces a promotion gate (``gate_metric``), its evaluation set
+            overlaps the training data, and ``allow_contamination`` is off.
+    """
+    cfg = recipe.evaluation
+    if not cfg.enabled:
+        return None
+    contamination = check_contamination(recipe)
+    if contamination.count and cfg.gate_metric is not None and not cfg.allow_contamination:
+        raise DatasetError("evaluation.files", contamination_refusal(contamination),
+                           "hold out prompts the training data does not contain")
+    return contamination
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -339,7 +405,9 @@ class EvaluationResult(BaseModel):
     gate_metric: str  # the metric promotion was judged on
     gate_enforced: bool  # the recipe set gate_metric: a tuned model that is not promoted fails the run
     gate_min_gain: float  # the points on gate_metric the tuned model had to gain over the base
-    promoted: bool  # adapter applied and the tuned model gained at least gate_min_gain on gate_metric
+    contamination: Contamination  # evaluation prompts that also occur in the training data
+    allow_contamination: bool  # the recipe lets a contaminated set promote
+    promoted: bool  # adapter applied, a clean (or allowed) eval set, and at least gate_min_gain on gate_metric
     report_json: Path
     report_md: Path
 
@@ -350,6 +418,8 @@ class EvaluationResult(BaseModel):
         b, t = self.base.metrics[self.gate_metric], self.tuned.metrics[self.gate_metric]
         if not self.adapter_applied:
             return "the tuned model answers exactly like the base model: the adapter is not applied"
+        if self.contamination.count and not self.allow_contamination:
+            return contamination_refusal(self.contamination)
         return (f"the tuned model's {self.gate_metric} is {t:.2f} against the base's {b:.2f} ({t - b:+.2f} points); "
                 f"the promotion gate asks for at least {self.gate_min_gain:+.2f}")
 
@@ -379,7 +449,8 @@ def evaluate_base_vs_tuned(
     ``out_dir/report.md`` (the table, the adapter check, the gate).
 
     An adapter that is not applied is reported, not raised: ``adapter_applied`` and ``promoted``
-    are then False.
+    are then False. So is a contaminated evaluation set (:func:`check_contamination`, counted
+    before any request): ``promoted`` is False unless ``evaluation.allow_contamination``.
 
     Raises:
         DatasetError: bad evaluation records.
@@ -390,6 +461,9 @@ def evaluate_base_vs_tuned(
 
     cfg = recipe.evaluation
     records = load_eval_records(cfg)
+    contamination = check_contamination(recipe, records)
+    if log:
+        log(contamination.summary() + (f": {contamination.named()}" if contamination.count else ""))
     out_dir = Path(out_dir).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
     base_dir = out_dir / "base-endpoint"
@@ -413,24 +487,40 @@ def evaluate_base_vs_tuned(
     finally:
         if started_here:
             serving.stop(base_dir)
-    table = compare_reports(base, tuned)
-    # Promotion is always judged (never "promoted" while worse than the base); only a recipe
-    # that sets gate_metric makes a failed gate fail the run.
+    table = compare_reports(base, tuned, style=cfg.style)
+    # Promotion is always judged (never "promoted" while worse than the base, nor on prompts the
+    # model was trained on); only a recipe that sets gate_metric makes a failed gate fail the run.
     gate, enforced = cfg.gate, cfg.gate_metric is not None
-    promoted = applied and promotion_gate(base, tuned, gate, min_gain=cfg.gate_min_gain)
-    need = f"gain at least {cfg.gate_min_gain:.2f} points" if cfg.gate_min_gain else "not regress"
-    md = [f"### Evaluation: {recipe.name}", "", f"{len(records)} held-out records, temperature {cfg.temperature}, "
-          f"max_tokens {cfg.max_tokens}", "", table,
-          f"Adapter applied: **{'yes' if applied else 'NO'}** ({sum(p['differs'] for p in probes)} of "
-          f"{len(probes)} probe prompts answered differently from the base at temperature 0)", "",
-          f"Promotion gate ({gate} must {need}{'' if enforced else '; reported only'}): "
-          f"**{'pass' if promoted else 'fail'}**"]
+    trusted = contamination.clean or cfg.allow_contamination
+    promoted = applied and trusted and promotion_gate(base, tuned, gate, min_gain=cfg.gate_min_gain)
     report_json, report_md = out_dir / "report.json", out_dir / "report.md"
     atomic_write_json(report_json, {"base": base.model_dump(mode="json"), "tuned": tuned.model_dump(mode="json"),
                                     "adapter_applied": applied, "probes": probes, "gate_metric": gate,
                                     "gate_enforced": enforced, "gate_min_gain": cfg.gate_min_gain,
-                                    "promoted": promoted})
-    atomic_write_bytes(report_md, ("\n".join(md) + "\n").encode())
-    return EvaluationResult(base=base, tuned=tuned, table=table, adapter_applied=applied, probes=probes,
-                            gate_metric=gate, gate_enforced=enforced, gate_min_gain=cfg.gate_min_gain,
-                            promoted=promoted, report_json=report_json, report_md=report_md)
+                                    "contamination": contamination.model_dump(mode="json"),
+                                    "allow_contamination": cfg.allow_contamination, "promoted": promoted})
+    result = EvaluationResult(base=base, tuned=tuned, table=table, adapter_applied=applied, probes=probes,
+                              gate_metric=gate, gate_enforced=enforced, gate_min_gain=cfg.gate_min_gain,
+                              contamination=contamination, allow_contamination=cfg.allow_contamination,
+                              promoted=promoted, report_json=report_json, report_md=report_md)
+    atomic_write_bytes(report_md, render_report_md(recipe, result).encode())
+    return result
+
+
+def render_report_md(recipe: Recipe, result: EvaluationResult) -> str:
+    """``report.md``: the table, the train/eval overlap, the adapter check and the gate."""
+    cfg = recipe.evaluation
+    overlap = result.contamination
+    need = f"gain at least {cfg.gate_min_gain:.2f} points" if cfg.gate_min_gain else "not regress"
+    held = "held-out records" if overlap.clean else "evaluation records (NOT all held out: see the overlap below)"
+    md = [f"### Evaluation: {recipe.name}", "", f"{result.base.n} {held}, temperature {cfg.temperature}, "
+          f"max_tokens {cfg.max_tokens}", "", result.table,
+          f"Train/eval overlap: {overlap.summary().removeprefix('train/eval overlap: ')}"
+          + (f": {overlap.named()}" + ("; allowed by evaluation.allow_contamination" if cfg.allow_contamination
+                                        else "; a contaminated set does not promote") if overlap.count else ""), "",
+          f"Adapter applied: **{'yes' if result.adapter_applied else 'NO'}** "
+          f"({sum(p['differs'] for p in result.probes)} of {len(result.probes)} probe prompts answered differently "
+          "from the base at temperature 0)", "",
+          f"Promotion gate ({result.gate_metric} must {need}{'' if result.gate_enforced else '; reported only'}): "
+          f"**{'pass' if result.promoted else 'fail'}**"]
+    return "\n".join(md) + "\n"

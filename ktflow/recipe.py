@@ -358,7 +358,10 @@ class ServingConfig(_Strict):
 
     backend: Literal["sglang", "llamafactory"]
     host: str = Field("127.0.0.1", description="Bind address; anything but loopback exposes it")
-    port: int = Field(30000, ge=1, le=65535)
+    port: int | Literal["auto"] = Field(
+        30000, description="TCP port; 'auto' (llamafactory backend): a free port is taken when the server starts, and "
+        "the endpoint record says which (two checkouts on one host never collide)",
+    )
     api_key_env: str = Field(
         "KTFLOW_API_KEY",
         pattern=r"^[A-Z_][A-Z0-9_]*$",
@@ -388,6 +391,20 @@ class ServingConfig(_Strict):
     disable_radix_cache: bool = False
     extra_args: list[str] = Field(default_factory=list, description="More launch_server flags")
 
+    @field_validator("port", mode="before")
+    @classmethod
+    def _a_port_or_auto(cls, value: object) -> object:
+        # One clear message instead of pydantic's one per union member.
+        if value == "auto":
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"{value} is not a TCP port: must be greater than or equal to 1 (or 'auto')")
+            if value > 65535:
+                raise ValueError(f"{value} is not a TCP port: must be less than or equal to 65535 (or 'auto')")
+            return value
+        raise ValueError(f"{value!r} is not a port: give a number 1-65535, or 'auto' for a free one")
+
     @model_validator(mode="after")
     def _backend_rules(self) -> ServingConfig:
         kt_fields = [
@@ -401,6 +418,8 @@ class ServingConfig(_Strict):
                     "or set backend: sglang"
                 )
             return self
+        if self.port == "auto":
+            raise ValueError("@port: 'auto' is for the llamafactory backend; sglang-kt serves on a fixed port: set one")
         if self.kt_method is None:
             raise ValueError("@kt_method: backend 'sglang' needs one of RAWINT4, FP8, BF16, AMXBF16, AMXINT8")
         if self.gpus < 1:
@@ -429,6 +448,40 @@ class ServingConfig(_Strict):
         return self
 
 
+class StyleMetric(_Strict):
+    """The ``style`` metric: the share of answers (0-100) that carry the training data's style.
+
+    Give a ``marker`` (a string the answer contains, e.g. ``nya~``) or a ``pattern`` (a Python
+    regular expression searched in the answer, e.g. ``nya~\\s*$``), not both.
+    """
+
+    marker: str | None = Field(None, min_length=1, description="A string a styled answer contains")
+    pattern: str | None = Field(None, min_length=1, description="A regular expression (re.search) a styled answer matches")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> StyleMetric:
+        if (self.marker is None) == (self.pattern is None):
+            raise ValueError("give exactly one of marker (a string) or pattern (a regular expression)")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"@pattern: {self.pattern!r} is not a regular expression ({exc})") from None
+        return self
+
+    @property
+    def label(self) -> str:
+        """How the eval table names the metric."""
+        return f"style ({self.marker!r})" if self.marker is not None else f"style (/{self.pattern}/)"
+
+    def matches(self, answer: str) -> bool:
+        """Whether ``answer`` carries the style."""
+        if self.marker is not None:
+            return self.marker in answer
+        assert self.pattern is not None
+        return re.search(self.pattern, answer) is not None
+
+
 class EvaluationConfig(_Strict):
     """Base-vs-tuned evaluation through the OpenAI-compatible endpoint."""
 
@@ -439,7 +492,10 @@ class EvaluationConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0)
     max_tokens: int = Field(256, gt=0)
     concurrency: int = Field(4, ge=1, le=256)
-    gate_metric: Literal["bleu-4", "rouge-l", "accuracy"] | None = Field(
+    style: StyleMetric | None = Field(
+        None, description="Also score the share of answers in the training data's style (a marker or a regex)"
+    )
+    gate_metric: Literal["bleu-4", "rouge-l", "accuracy", "style"] | None = Field(
         None, description="The promotion gate: a tuned model that does not gain gate_min_gain points on this "
         "metric over the base fails the run. Unset: the gate is only reported, on rouge-l (accuracy for "
         "multiple_choice), and never fails the run"
@@ -448,6 +504,10 @@ class EvaluationConfig(_Strict):
         0.0, ge=0.0, le=100.0, description="Points (0-100 scale) the tuned model must gain over the base on the "
         "gate metric to be promoted (0: it must not regress)"
     )
+    allow_contamination: bool = Field(
+        False, description="Promote even when evaluation prompts also occur in the training data (they are still "
+        "counted, named and reported). Off: a contaminated evaluation set is never grounds for promotion"
+    )
 
     @model_validator(mode="after")
     def _files_when_enabled(self) -> EvaluationConfig:
@@ -455,6 +515,8 @@ class EvaluationConfig(_Strict):
             raise ValueError("@files: evaluation is enabled but lists no files; add files or set enabled: false")
         if self.gate_metric == "accuracy" and self.task != "multiple_choice":
             raise ValueError("@gate_metric: 'accuracy' needs task: multiple_choice")
+        if self.gate_metric == "style" and self.style is None:
+            raise ValueError("@gate_metric: 'style' needs evaluation.style (a marker or a pattern)")
         return self
 
     @property

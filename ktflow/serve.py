@@ -204,6 +204,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _recipe_port(recipe: Recipe, log: Callable[[str], None] | None) -> int:
+    """``serving.port``, or for ``auto`` a port nothing listens on now (the endpoint record keeps it)."""
+    serving = recipe.serving
+    if isinstance(serving.port, int):
+        return serving.port
+    port = free_port(serving.host)
+    if log:
+        log(f"serving.port is auto: serving on free port {port}")
+    return port
+
+
 def adapter_model_name(recipe: Recipe) -> str:
     """The model id a tuned server lists: ``<served_model_name>:<adapter_name>`` (SGLang's naming)."""
     return f"{recipe.serving.served_model_name}:{recipe.serving.adapter_name}"
@@ -740,7 +751,7 @@ def serve(
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     return _start_endpoint(
         recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=key, key_file=key_file,
-        port=port if port is not None else recipe.serving.port, previous=None, last_failed_swap=None, log=log,
+        port=port if port is not None else _recipe_port(recipe, log), previous=None, last_failed_swap=None, log=log,
         die_with_parent=die_with_parent, kt_weight_dir=kt_weight_dir, host=host,
     )
 
@@ -807,7 +818,7 @@ def swap_adapter(
     else:
         raise KtflowError(f"the endpoint in {record_dir} never became ready and names no previous adapter; "
                           "stop it and serve() again")
-    port = current.port or recipe.serving.port
+    port = current.port or _recipe_port(recipe, log)
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)

@@ -137,7 +137,9 @@ def _plan(recipe: Recipe) -> list[StagePlan]:
     else:
         plans.append(StagePlan(stage="quantize-int8", needed=False, reason=f"serving uses {recipe.serving.kt_method or 'BF16 on CPU'}"))
 
-    plans.append(StagePlan(stage="serve", needed=True, reason=f"'{recipe.serving.backend}' on {recipe.serving.host}:{recipe.serving.port}"))
+    plans.append(StagePlan(stage="serve", needed=True, reason=f"'{recipe.serving.backend}' on "
+                            + (f"{recipe.serving.host}:{recipe.serving.port}" if recipe.serving.port != "auto"
+                               else f"{recipe.serving.host}, a free port")))
     if recipe.evaluation.enabled:
         plans.append(StagePlan(stage="evaluate", needed=True, reason=f"{recipe.evaluation.task} eval, base vs tuned"))
     else:

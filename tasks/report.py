@@ -80,7 +80,8 @@ def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, ev
         loss_caption = f"{getattr(trained, 'steps', '-')} steps, final loss {loss}"
     verdict = ""
     if evaluation is not None:
-        verdict = f"adapter applied: **{evaluation.adapter_applied}**, promoted: **{evaluation.promoted}**"
+        verdict = (f"adapter applied: **{evaluation.adapter_applied}**, promoted: **{evaluation.promoted}**; "
+                   f"{evaluation.contamination.summary()}")
     models = ""
     if endpoint is not None:
         models = ", ".join(m for m in (endpoint.served_model_name, endpoint.adapter_model_name) if m)

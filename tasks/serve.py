@@ -65,7 +65,8 @@ def evaluate_task(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> Evaluat
                                     out_dir=(recipe.store.root / "eval" / recipe.name).absolute(),
                                     log=ThrottledLines(logger.info))
     create_markdown_artifact(key="evaluation", markdown=f"### {recipe.name}: base vs tuned\n\n{result.table}\n\n"
-                             f"adapter applied: **{result.adapter_applied}**, promoted: **{result.promoted}**")
+                             f"adapter applied: **{result.adapter_applied}**, promoted: **{result.promoted}**\n\n"
+                             f"{result.contamination.summary()}")
     if not result.adapter_applied:
         from ktflow.errors import KtflowError
 

@@ -8,6 +8,7 @@ bounded concurrency, failures, the comparison table, the gate and the adapter ch
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -320,7 +321,9 @@ def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
         stub.answers[("tiny-demo:tuned", q)] = {
             "exact": a, "worse": "nothing alike", "slightly better": a.split(" ")[0] + " " + a.split(" ")[1] + " x",
         }[tuned_answers]
-    overrides = [f"evaluation.files={json.dumps([str(data)])}", f"evaluation.gate_min_gain={min_gain}"]
+    train = _jsonl(tmp_path / "train.jsonl", [_chat("Something else entirely?", "Yes, nya~")])
+    overrides = [f"evaluation.files={json.dumps([str(data)])}", f"evaluation.gate_min_gain={min_gain}",
+                 f"dataset.files={json.dumps([str(train)])}"]
     if gate:
         overrides.append(f"evaluation.gate_metric={gate}")
     recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes/tiny-demo.yaml", overrides)
@@ -339,3 +342,191 @@ def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
         assert f"the promotion gate asks for at least +{min_gain:.2f}" in failure and f"{gain:+.2f} points" in failure
     report = json.loads((tmp_path / "eval/report.json").read_text())
     assert report["promoted"] is promoted and report["gate_metric"] == "rouge-l"
+
+
+# --------------------------------------------------------------------------- train/eval overlap
+
+
+def test_overlap_exact_normalized_and_no_false_positives() -> None:
+    from ktflow.contamination import find_overlaps, normalize_prompt
+
+    train = [("t.jsonl:1", "What is a shard?"), ("t.jsonl:2", "Why quantize experts to INT8?"),
+             ("t.jsonl:3", "  Où   sont les EXPERTS ?  "), ("t.jsonl:4", "What is a shard?")]
+    evaluation = [
+        ("e.jsonl:1", "What is a shard?"),                  # exact
+        ("e.jsonl:2", "what is a SHARD"),                   # case and punctuation
+        ("e.jsonl:3", "Why  quantize\texperts to INT8 ?!"),  # whitespace and punctuation
+        ("e.jsonl:4", "où sont les experts"),               # Unicode case folding
+        ("e.jsonl:5", "What is a shard size?"),             # one word more: another question
+        ("e.jsonl:6", "What is a shared expert?"),
+        ("e.jsonl:7", "Why quantize experts to INT4?"),
+        ("e.jsonl:8", "What is a shard?\nAnswer briefly."),  # more text: another prompt
+    ]
+    found = find_overlaps(evaluation, train)
+    assert [(o.eval_source, o.train_source, o.match) for o in found.overlaps] == [
+        ("e.jsonl:1", "t.jsonl:1", "exact"), ("e.jsonl:2", "t.jsonl:1", "normalized"),
+        ("e.jsonl:3", "t.jsonl:2", "normalized"), ("e.jsonl:4", "t.jsonl:3", "normalized")]
+    assert (found.count, found.exact, found.eval_prompts, found.share) == (4, 1, 8, 50.0)
+    assert found.summary() == ("train/eval overlap: 4 of 8 eval prompts (50.0 %) occur in the training data "
+                               "(1 exact, 3 more after normalizing case, whitespace and punctuation)")
+    assert "e.jsonl:2 = t.jsonl:1 (normalized): 'what is a SHARD'" in found.named()
+    assert found.named(limit=1).endswith("; and 3 more")
+    assert normalize_prompt("  Hello,   WORLD!\n") == "hello world"
+    clean = find_overlaps(evaluation[4:], train)
+    assert clean.clean and clean.count == 0 and clean.share == 0.0 and clean.eval_prompts == 4
+    assert find_overlaps([("e:1", "?!")], [("t:1", "...")]).clean  # empty after normalizing is no match
+
+
+def test_overlap_of_multiple_choice_compares_question_stems() -> None:
+    from ktflow.contamination import find_overlaps, question_stem
+
+    stem = "Which stage writes BF16 weights?"
+    trained = f"{stem}\nA. sft\nB. dequantize\nC. serve\nD. download"
+    assert question_stem(trained) == stem
+    assert question_stem("(A) first line is an option") == "(A) first line is an option"
+    train = [("t:1", trained)]
+    evaluation = [
+        ("e:1", f"{stem}\n(A) serve\n(B) sft\n(C) dequantize\n(D) download"),  # options reordered
+        ("e:2", f"which stage writes bf16 weights\nA) one\nB) two"),          # normalized stem
+        ("e:3", "Which stage serves the model?\nA. sft\nB. dequantize\nC. serve\nD. download"),  # same options
+    ]
+    found = find_overlaps(evaluation, train, multiple_choice=True)
+    assert [(o.eval_source, o.match) for o in found.overlaps] == [("e:1", "exact"), ("e:2", "normalized")]
+    assert found.compared == "question stem" and "eval question stems" in found.summary()
+    # Compared as whole prompts, the reordered options hide the overlap.
+    assert find_overlaps(evaluation, train).clean
+
+
+def test_demo_evaluation_never_occurs_in_its_training_data(tmp_path: Path) -> None:
+    from ktflow.contamination import find_overlaps
+    from ktflow.dataset import user_prompts
+    from ktflow.demo import STYLE_MARKER, write_demo_dataset
+    from ktflow.recipe import DatasetConfig
+
+    train, evaluation = write_demo_dataset(tmp_path)
+    train_cfg = DatasetConfig(name="t", files=[train], format="openai")
+    eval_records = load_eval_records(EvaluationConfig(files=[evaluation]))
+    found = find_overlaps(((r.source, r.messages[-1]["content"]) for r in eval_records), user_prompts(train_cfg))
+    assert found.clean and found.eval_prompts == len(eval_records) == 8
+    assert all(r.reference.endswith(STYLE_MARKER) for r in eval_records)
+    # An older demo's files (eval drawn from the training questions) are replaced; current ones are kept.
+    evaluation.write_text(train.read_text().splitlines()[0] + "\n")
+    before = train.stat().st_mtime_ns
+    write_demo_dataset(tmp_path)
+    assert len(evaluation.read_text().splitlines()) == 8 and train.stat().st_mtime_ns == before
+
+
+def test_user_prompts_refuse_unreadable_training_data(tmp_path: Path) -> None:
+    from ktflow.dataset import user_prompts
+    from ktflow.recipe import DatasetConfig
+
+    cfg = DatasetConfig(name="t", files=[tmp_path / "missing.jsonl"], format="openai")
+    with pytest.raises(DatasetError, match="missing.jsonl"):
+        list(user_prompts(cfg))
+    multi = _jsonl(tmp_path / "multi.jsonl", [{"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "first?"},
+        {"role": "assistant", "content": "one"}, {"role": "user", "content": "second?"},
+        {"role": "assistant", "content": "two"}]}, {"not": "a chat"}])
+    assert list(user_prompts(DatasetConfig(name="t", files=[multi], format="openai"))) == [
+        (f"{multi}:1", "first?"), (f"{multi}:1", "second?")]  # every user turn; the bad record skipped
+
+
+# --------------------------------------------------------------------------- the style metric
+
+
+def test_style_metric_marker_and_pattern(stub: Stub, tmp_path: Path) -> None:
+    from ktflow.evaluate import style_share
+    from ktflow.recipe import StyleMetric
+
+    marker, pattern = StyleMetric(marker="nya~"), StyleMetric(pattern=r"nya~\s*$")
+    answers = ["yes, nya~", "nya~ at the start", "no", "", "yes, nya~  "]
+    assert style_share(answers, marker) == 60.0
+    assert style_share(answers, pattern) == 40.0  # only at the end
+    assert marker.label == "style ('nya~')" and pattern.label == "style (/nya~\\s*$/)"
+    data = _jsonl(tmp_path / "eval.jsonl", [_chat(f"q{i}", "a, nya~") for i in range(4)])
+    for i, answer in enumerate(["a, nya~", "b", "c nya~", "d"]):
+        stub.answers[("m", f"q{i}")] = answer
+    report = evaluate_endpoint(stub.url, KEY, "m", EvaluationConfig(files=[data], style={"marker": "nya~"}))
+    assert report.metrics["style"] == 50.0 and "rouge-l" in report.metrics
+    assert [p["styled"] for p in report.predictions] == [True, False, True, False]
+    base = _report("base", **{"rouge-l": 1.0, "style": 0.0})
+    table = compare_reports(base, report, style=StyleMetric(pattern="a|b"))
+    assert "| style (/a\\|b/) | 0.00 | 50.00 | +50.00 |" in table  # a '|' in the label is escaped
+
+
+@pytest.mark.parametrize(("settings", "complaint"), [
+    ({"style": {"marker": "x", "pattern": "y"}}, "exactly one of marker"),
+    ({"style": {}}, "exactly one of marker"),
+    ({"style": {"pattern": "(unclosed"}}, "is not a regular expression"),
+    ({"gate_metric": "style"}, "'style' needs evaluation.style"),
+])
+def test_style_settings_are_validated(settings: dict[str, Any], complaint: str, tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape(complaint)):
+        EvaluationConfig(files=[tmp_path / "e.jsonl"], **settings)
+
+
+def _gated_recipe(tmp_path: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], *sets: str):
+    from ktflow.recipe import load_recipe
+
+    t = _jsonl(tmp_path / "train.jsonl", train)
+    e = _jsonl(tmp_path / "eval.jsonl", evaluation)
+    return load_recipe(Path(__file__).resolve().parent.parent / "recipes/tiny-demo.yaml", [
+        f"dataset.files={json.dumps([str(t)])}", f"evaluation.files={json.dumps([str(e)])}", *sets])
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_contaminated_evaluation_set_does_not_promote_unless_allowed(stub: Stub, tmp_path: Path,
+                                                                       allow: bool) -> None:
+    from ktflow.evaluate import evaluate_base_vs_tuned, refuse_contaminated_gate
+
+    questions = ["What is a shard?", "What is a token?", "What is BF16?", "What is a batch?"]
+    train = [_chat(q, "x, nya~") for q in ("what is a SHARD", "What is a token?", "Unrelated?")]
+    recipe = _gated_recipe(tmp_path, train, [_chat(q, "a, nya~") for q in questions],
+                           f"evaluation.allow_contamination={str(allow).lower()}")
+    for q in questions:
+        stub.answers[("tiny-demo", q)] = "plain"
+        stub.answers[("tiny-demo:tuned", q)] = "styled, nya~"
+    if not allow:  # an enforced gate that could never pass is refused before any heavy work
+        with pytest.raises(DatasetError) as refused:
+            refuse_contaminated_gate(recipe)
+        for says in ("2 of 4 eval prompts (50.0 %)", f"{tmp_path / 'eval.jsonl'}:1 = {tmp_path / 'train.jsonl'}:1",
+                     "evaluation.allow_contamination: true"):
+            assert says in str(refused.value), str(refused.value)
+    else:
+        assert refuse_contaminated_gate(recipe).count == 2  # type: ignore[union-attr]
+    result = evaluate_base_vs_tuned(recipe, model_dir=tmp_path, tuned_url=stub.url, tuned_model="tiny-demo:tuned",
+                                    api_key=KEY, out_dir=tmp_path / "eval", base_url=stub.url, base_model="tiny-demo")
+    assert result.tuned.metrics["style"] - result.base.metrics["style"] == 100.0  # the gate itself would pass
+    assert (result.contamination.count, result.contamination.exact) == (2, 1)
+    assert result.promoted is allow
+    failure = result.gate_failure()
+    assert (failure is None) is allow
+    if failure:
+        assert "2 of 4 eval prompts" in failure and "What is a token?" in failure
+    report = json.loads(result.report_json.read_text())
+    assert report["promoted"] is allow and report["allow_contamination"] is allow
+    assert [o["eval_source"].rsplit(":", 1)[1] for o in report["contamination"]["overlaps"]] == ["1", "2"]
+    md = result.report_md.read_text()
+    assert "NOT all held out" in md and "Train/eval overlap: 2 of 4 eval prompts (50.0 %)" in md
+
+
+def test_a_clean_set_reports_no_overlap_and_the_style_gate_decides(stub: Stub, tmp_path: Path) -> None:
+    from ktflow.evaluate import evaluate_base_vs_tuned, refuse_contaminated_gate
+
+    questions = ["What is BF16?", "What is a batch?", "What is an epoch?", "What is a loss curve?"]
+    recipe = _gated_recipe(tmp_path, [_chat("What is a shard?", "x, nya~")],
+                           [_chat(q, "a, nya~") for q in questions])
+    assert recipe.evaluation.gate_metric == "style" and recipe.evaluation.gate_min_gain == 50
+    assert refuse_contaminated_gate(recipe).clean  # type: ignore[union-attr]
+    for i, q in enumerate(questions):  # the tuned model carries the style on 1 of 4 prompts: +25 < +50
+        stub.answers[("tiny-demo", q)] = "plain"
+        stub.answers[("tiny-demo:tuned", q)] = "styled, nya~" if i == 0 else "other"
+    result = evaluate_base_vs_tuned(recipe, model_dir=tmp_path, tuned_url=stub.url, tuned_model="tiny-demo:tuned",
+                                    api_key=KEY, out_dir=tmp_path / "eval", base_url=stub.url, base_model="tiny-demo")
+    assert result.contamination.clean and result.promoted is False
+    assert "style is 25.00 against the base's 0.00 (+25.00 points)" in (result.gate_failure() or "")
+    md = result.report_md.read_text()
+    assert "4 held-out records" in md and "Train/eval overlap: 0 of 4 eval prompts (0.0 %)" in md
+    assert "| style ('nya~') | 0.00 | 25.00 | +25.00 |" in md

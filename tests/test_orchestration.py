@@ -193,7 +193,7 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: b
     children = [setup.flow_run(row["flow_run"]) for row in where.values()]
     assert all(child["state_type"] == "COMPLETED" for child in children)
     summary = setup.summary(parent)
-    assert "steps" in summary["sft"] and summary["evaluate"] == "adapter applied: True, promoted: True"
+    assert "steps" in summary["sft"] and summary["evaluate"] == "adapter applied: True, promoted: True, train/eval overlap: 0/8"
     int8 = setup.summary_rows(parent)["quantize-int8"]
     if int8_kernels:
         assert int8["runs"] == "yes" and int8["result"].endswith("(T=2)"), int8

@@ -124,6 +124,17 @@ def test_out_of_range_port() -> None:
     assert "serving.port" in rejected("tiny-demo.yaml", "serving.port=99999")
 
 
+def test_port_auto_is_for_the_llamafactory_backend() -> None:
+    assert load_recipe(RECIPES / "tiny-demo.yaml").serving.port == "auto"
+    assert load_recipe(RECIPES / "tiny-demo.yaml", ["serving.port=8000"]).serving.port == 8000
+    for value, says in (("0", "must be greater than or equal to 1"), ("true", "True is not a port"),
+                        ("nine", "'nine' is not a port: give a number 1-65535, or 'auto'")):
+        message = rejected("tiny-demo.yaml", f"serving.port={value}")
+        assert f"serving.port: " in message and says in message, message
+    message = rejected("kimi-k2.5-rawint4.yaml", "serving.port=auto")
+    assert "serving.port: 'auto' is for the llamafactory backend" in message, message
+
+
 def test_missing_required_section() -> None:
     data = raw("tiny-demo.yaml")
     del data["dataset"]

@@ -276,7 +276,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fixture_dir) -> Iterator[dic
 
     saved = os.environ.pop("KTFLOW_API_KEY", None)  # the tuned server generates its key
     root = tmp_path_factory.mktemp("serve")
-    # The demo's learnable lm_head and its 400 steps: the tuned model really is better, so it is promoted.
+    # The demo's learnable lm_head and its 400 steps: the tuned model answers differently from the base.
     model = fixture_dir("bf16", lm_head_std=0.2)
     recipe = _recipe(root, model, f"serving.port={free_port()}")
     adapter = run_sft(recipe, model_dir=model, host=probe_host()).adapter_dir
@@ -336,6 +336,32 @@ def test_tuned_endpoint_is_ready_recorded_and_answers(stack: dict[str, Any], tun
 
 @needs_train_env
 @pytest.mark.slow
+def test_a_second_checkout_with_port_auto_serves_beside_a_running_endpoint(stack: dict[str, Any],
+                                                                           tuned: Endpoint) -> None:
+    """Two checkouts of the demo on one host: the second one's endpoint takes a free port and
+    records it, where a fixed port would collide; an explicit port keeps the clear refusal."""
+    root = stack["root"]
+    busy = int(tuned.url.rsplit(":", 1)[1].split("/")[0])
+    fixed = _recipe(root, stack["model"], f"serving.port={busy}")
+    with pytest.raises(HostRequirementError, match=f"127.0.0.1:{busy} is already in use"):
+        serve(fixed, model_dir=stack["model"], adapter_dir=stack["adapter"], record_dir=root / "second-fixed",
+              api_key=KEY)
+    auto = _recipe(root, stack["model"], "serving.port=auto")
+    lines: list[str] = []
+    second = serve(auto, model_dir=stack["model"], adapter_dir=stack["adapter"], record_dir=root / "second",
+                   api_key=KEY, log=lines.append)
+    try:
+        port = json.loads((root / "second" / ENDPOINT_FILE).read_text())["port"]
+        assert port != busy and second.url == f"http://127.0.0.1:{port}/v1"
+        assert f"serving.port is auto: serving on free port {port}" in lines
+        assert smoke_test(second.url, KEY, second.model)["model"] == "tiny-demo:tuned"
+        assert psutil.Process(tuned.pid).is_running()  # the first endpoint is untouched
+    finally:
+        stop(root / "second")
+
+
+@needs_train_env
+@pytest.mark.slow
 def test_requests_without_or_with_a_wrong_key_are_refused(tuned: Endpoint) -> None:
     key = api_key_for(tuned)
     root = tuned.root_url
@@ -390,11 +416,17 @@ def test_base_vs_tuned_evaluation_and_the_adapter_check(stack: dict[str, Any], t
     result = evaluate_base_vs_tuned(recipe, model_dir=stack["model"], tuned_url=tuned.url, tuned_model=tuned.model,
                                     api_key=key, out_dir=stack["root"] / "eval", base_url=base.url,
                                     base_model=base.model)
-    assert result.adapter_applied is True and result.promoted is True
+    assert result.adapter_applied is True
+    # Promotion follows the recipe's rule on the reported figures (the demo's: +50 points of
+    # "nya~" answers on prompts the training data does not hold), whatever the model scored.
+    assert result.contamination.clean and result.contamination.eval_prompts == 8
+    gain = result.tuned.metrics["style"] - result.base.metrics["style"]
+    assert result.gate_metric == "style" and result.promoted is (gain >= 50)
+    assert result.tuned.metrics["style"] == 100 * sum("nya~" in p["prediction"] for p in result.tuned.predictions) / 8
     assert any(p["differs"] for p in result.probes) and len(result.probes) == 8
     assert result.table.splitlines()[0] == "| metric | base | tuned | delta |"
     assert {line.split(" | ")[0].strip("| ") for line in result.table.splitlines()[2:]} == {
-        "bleu-1", "bleu-2", "bleu-3", "bleu-4", "rouge-1", "rouge-2", "rouge-l"}
+        "bleu-1", "bleu-2", "bleu-3", "bleu-4", "rouge-1", "rouge-2", "rouge-l", "style ('nya~')"}
     assert result.tuned.n == result.base.n == 8 and result.tuned.model == "tiny-demo:tuned"
     assert "Adapter applied: **yes**" in result.report_md.read_text()
     assert json.loads(result.report_json.read_text())["adapter_applied"] is True
