@@ -281,7 +281,11 @@ def test_the_finished_run_page_shows_stages_loss_curve_evaluation_endpoint_and_h
     # The evaluation numbers are the report's.
     report = json.loads((setup.root / "store/eval/tiny-demo/report.json").read_text())
     [evaluation] = [t for t in tables if t and t[0][:3] == ["metric", "base", "tuned"]]
-    shown = {row[0]: (row[1], row[2]) for row in evaluation[1:]}
+    # The style row is named after the recipe's marker (``style ('nya~')``); the report keys it ``style``.
+    from ktflow.recipe import load_recipe
+    style = load_recipe(REPO / "recipes/tiny-demo.yaml").evaluation.style
+    metric_of = {style.label: "style"} if style is not None else {}
+    shown = {metric_of.get(row[0], row[0]): (row[1], row[2]) for row in evaluation[1:]}
     assert shown, evaluation
     assert set(shown) == set(report["base"]["metrics"]), (shown, report["base"]["metrics"])
     for metric, (base, tuned) in shown.items():
