@@ -189,12 +189,16 @@ class Sampler:
     """Peak RSS of a process tree, peak GPU memory, when marked children run, and when each
     ``trainer_log.jsonl`` line appears, all from outside the leg."""
 
-    def __init__(self, pid: int, trainer_log: Callable[[], Path | None], child_marker: str | None) -> None:
+    def __init__(self, pid: int, trainer_log: Callable[[], Path | None], child_marker: str | None,
+                 skip_existing: bool = False) -> None:
         import psutil
 
         self.proc = psutil.Process(pid)
         self.t0 = time.perf_counter()
         self.trainer_log, self.child_marker = trainer_log, child_marker
+        # A resumed run appends to the trainer log of the run it resumes: stamp only the lines it adds.
+        existing = trainer_log() if skip_existing else None
+        self.log_start = existing.stat().st_size if existing is not None and existing.is_file() else 0
         self.peak_rss = 0
         self.gpu_baseline = self.gpu_peak = _gpu_used_mib()
         self.child_span: list[float] = []
@@ -241,7 +245,7 @@ class Sampler:
                 continue
 
     def _log(self) -> None:
-        offset = 0
+        offset = self.log_start
         while not self._stop.is_set():
             path = self.trainer_log()
             if path is not None and path.is_file():
@@ -275,19 +279,20 @@ def _gpu_used_mib() -> int | None:
 
 
 def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Path | Callable[[], Path | None],
-            warmup: int, child_marker: str | None = None) -> dict[str, Any]:
+            warmup: int, child_marker: str | None = None, skip_existing: bool = False) -> dict[str, Any]:
     """Run one leg and derive its figures (see the module docstring).
 
     Steady figures cover logged steps ``warmup + 2`` to the last: a line is stamped when it
     appears, so a step's duration is the gap to the line before it, and step 1 has none that
-    can be told apart from loading.
+    can be told apart from loading. With ``skip_existing`` (a resumed run) the lines the trainer
+    log already held at the start are not this leg's: only lines added later are stamped.
     """
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=REPO, start_new_session=True)
         try:
             find_log = trainer_log if callable(trainer_log) else (lambda: trainer_log)
-            sampler = Sampler(proc.pid, find_log, child_marker)
+            sampler = Sampler(proc.pid, find_log, child_marker, skip_existing=skip_existing)
             rc = proc.wait()
             wall = sampler.now()
             time.sleep(0.3)  # the log follower's last poll
@@ -325,6 +330,8 @@ def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Pat
         "total_tokens": last.get("total_tokens"),
         "losses": [rec["loss"] for _, rec in steps],
         "step_logged_at_s": [round(t, 2) for t in times],
+        "steps_logged": [rec["current_steps"] for _, rec in steps],
+        "tokens_logged": [rec.get("total_tokens") for _, rec in steps],
         "peak_gpu_mib": None if sampler.gpu_peak is None else sampler.gpu_peak - (sampler.gpu_baseline or 0),
         "peak_host_rss_gib": round(sampler.peak_rss / 2**30, 2),
         "log": str(log.relative_to(REPO)) if log.is_relative_to(REPO) else str(log),

@@ -35,8 +35,9 @@ from ktflow.evaluate import refuse_contaminated_gate
 from ktflow.pools import WorkPoolSpec, pool_for_stage
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.hardware import HostInfo, probe_host
-from ktflow.stages import StageName, StageSkipped, plan_stages, prepared_for_another_host
+from ktflow.stages import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.store import read_manifest
+from ktflow.sft import check_hf_fits_gpus
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
 from tasks.report import publish_run_report
@@ -58,67 +59,81 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     """
     validate_dataset(recipe.dataset)
     refuse_contaminated_gate(recipe)
-    plans = {p.stage: p for p in plan_stages(recipe, host)}
+    table = _StageTable({p.stage: p for p in plan_stages(recipe, host)})
     store = recipe.store.root
-    rows: list[dict[str, Any]] = []
-
-    def record(stage: str, result: str, skipped: StageSkipped | None = None) -> None:
-        runs = plans[stage].needed and skipped is None
-        rows.append({"stage": stage, "runs": "yes" if runs else "skipped",
-                     "why": skipped.reason if skipped else plans[stage].reason, "result": result})
-
     source = call("download", source=recipe.source, store_root=str(store), hf_token_block=hf_token_block)
-    record("download", str(source.path) + (" (cached)" if source.cached else ""))
-
-    bf16_dir: Path | None = None
-    if plans["dequantize"].needed:
-        bf16 = call("dequantize", src=str(source.path), dst=str(bf16_dir_for(recipe, source.path)),
-                    workers=recipe.conversion.workers, fsync=recipe.conversion.fsync)
-        bf16_dir = bf16.path
-        record("dequantize", f"{bf16.path}" + (" (cached)" if bf16.cached else f" ({bf16.tensors_decoded} tensors)"))
-    else:
-        record("dequantize", "-")
+    table.record("download", str(source.path) + (" (cached)" if source.cached else ""))
+    if host is not None:  # the host that trains is known: a model its GPUs cannot hold is refused before dequantize
+        check_hf_fits_gpus(recipe, host, source.path)
+    bf16_dir = _dequantize(recipe, call, source.path, table)
     model_dir = source.path if trains_on_source(recipe) or bf16_dir is None else bf16_dir
 
     trained = call("sft", recipe=recipe, model_dir=str(model_dir))
     resumed = f", resumed from {trained.resumed_from}" if trained.resumed_from else ""
-    record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps{resumed})"))
+    table.record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps{resumed})"))
     digest = trained.manifest_digest or read_manifest(trained.adapter_dir).digest()  # type: ignore[union-attr]
     adapter = call("convert-lora", adapter_dir=str(trained.adapter_dir), out_dir=str(store / "adapters" / digest[:16]),
                    base_dir=str(model_dir), serve_python=str(recipe.toolchains.serve.python))
-    record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank})")
-
-    if plans["quantize-int8"].needed:
-        t = int8_threadpool_count(recipe)
-        base = bf16_dir or source.path
-        int8 = call("quantize-int8", bf16_dir=str(base), out_dir=str(int8_dir_for(recipe, base)), threadpool_count=t,
-                    serve_python=str(recipe.toolchains.serve.python), workers=recipe.conversion.workers,
-                    skip_without_kernels="quantize-int8" in prepared_for_another_host(recipe))
-        if isinstance(int8, StageSkipped):
-            record("quantize-int8", "-", skipped=int8)
-        else:
-            record("quantize-int8", f"{int8.path} (T={t})" + (" (cached)" if int8.cached else ""))
-    else:
-        record("quantize-int8", "-")
+    table.record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank})")
+    _quantize_int8(recipe, call, bf16_dir or source.path, table)
 
     outcome: dict[str, Any] = {"adapter": str(adapter.path)}
     serve_model, kt_weights = serving_weights(recipe, source_dir=source.path, bf16_dir=bf16_dir)
     endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter.path),
                     kt_weight_dir=str(kt_weights) if kt_weights else None)
-    record("serve", endpoint.url)
+    table.record("serve", endpoint.url)
     outcome["endpoint"] = endpoint.url
-    if plans["evaluate"].needed:
+    report = None
+    if table.plans["evaluate"].needed:
         # The base model for the comparison is the one the adapter was trained on.
         report = call("evaluate", recipe=recipe, model_dir=str(model_dir), endpoint=endpoint)
-        record("evaluate", evaluation_verdict(report))
+        table.record("evaluate", evaluation_verdict(report))
         outcome["evaluation"] = str(report.report_md)
     else:
-        record("evaluate", "-")
-    create_table_artifact(key="pipeline-summary", table=rows, description=f"ktflow pipeline: {recipe.name}")
-    publish_run_report(recipe, rows, trained=trained, evaluation=report if plans["evaluate"].needed else None,
-                       endpoint=endpoint)
-    outcome["stages"] = rows
+        table.record("evaluate", "-")
+    create_table_artifact(key="pipeline-summary", table=table.rows, description=f"ktflow pipeline: {recipe.name}")
+    publish_run_report(recipe, table.rows, trained=trained, evaluation=report, endpoint=endpoint)
+    outcome["stages"] = table.rows
     return outcome
+
+
+class _StageTable:
+    """The pipeline's stage table: each stage, whether it ran (and why), and what it made."""
+
+    def __init__(self, plans: dict[str, StagePlan]) -> None:
+        self.plans = plans
+        self.rows: list[dict[str, Any]] = []
+
+    def record(self, stage: str, result: str, skipped: StageSkipped | None = None) -> None:
+        runs = self.plans[stage].needed and skipped is None
+        self.rows.append({"stage": stage, "runs": "yes" if runs else "skipped",
+                          "why": skipped.reason if skipped else self.plans[stage].reason, "result": result})
+
+
+def _dequantize(recipe: Recipe, call: StageCall, source: Path, table: _StageTable) -> Path | None:
+    """The BF16 copy of the source, when a stage reads BF16 (None: not made)."""
+    if not table.plans["dequantize"].needed:
+        table.record("dequantize", "-")
+        return None
+    bf16 = call("dequantize", src=str(source), dst=str(bf16_dir_for(recipe, source)),
+                workers=recipe.conversion.workers, fsync=recipe.conversion.fsync)
+    table.record("dequantize", f"{bf16.path}" + (" (cached)" if bf16.cached else f" ({bf16.tensors_decoded} tensors)"))
+    return bf16.path
+
+
+def _quantize_int8(recipe: Recipe, call: StageCall, base: Path, table: _StageTable) -> None:
+    """kt-kernel's INT8 experts of ``base``, when the recipe wants them (here or for a later host)."""
+    if not table.plans["quantize-int8"].needed:
+        table.record("quantize-int8", "-")
+        return
+    t = int8_threadpool_count(recipe)
+    int8 = call("quantize-int8", bf16_dir=str(base), out_dir=str(int8_dir_for(recipe, base)), threadpool_count=t,
+                serve_python=str(recipe.toolchains.serve.python), workers=recipe.conversion.workers,
+                skip_without_kernels="quantize-int8" in prepared_for_another_host(recipe))
+    if isinstance(int8, StageSkipped):
+        table.record("quantize-int8", "-", skipped=int8)
+    else:
+        table.record("quantize-int8", f"{int8.path} (T={t})" + (" (cached)" if int8.cached else ""))
 
 
 def evaluation_verdict(report: Any) -> str:

@@ -95,16 +95,7 @@ def detect_format(config: dict[str, Any], tensor_names: Iterable[str]) -> tuple[
         raise CheckpointError(CONFIG_NAME, f"tensors mix '{NESTED_PREFIX}model.layers...' and 'model.layers...' "
                                            "names; a checkpoint uses one layout.", _REFETCH)
     layout: Layout = "nested" if isinstance(config.get("text_config"), dict) else "flat"
-    prefix = NESTED_PREFIX if prefixed else ""
-    top_qc, nested_qc = config.get("quantization_config"), text_config(config).get("quantization_config")
-    if layout == "flat":
-        nested_qc = None  # text_config(config) is config itself
-    if top_qc is not None and nested_qc is not None and top_qc != nested_qc:
-        raise CheckpointError(CONFIG_NAME, "quantization_config and text_config.quantization_config disagree.",
-                              "keep one of them (Kimi-K2.5 keeps it in text_config).")
-    where = "text_config.quantization_config" if nested_qc is not None else "quantization_config"
-    qc = nested_qc if nested_qc is not None else top_qc
-
+    qc, where, nested = _quantization_config(config, layout)
     if qc is None:
         quantized = next((n for n in names if n.endswith((".weight_packed", ".weight_scale_inv"))), None)
         if quantized is not None:
@@ -114,19 +105,7 @@ def detect_format(config: dict[str, Any], tensor_names: Iterable[str]) -> tuple[
     elif not isinstance(qc, dict):
         raise CheckpointError(CONFIG_NAME, f"{where} is {qc!r:.80}, not an object.")
     elif qc.get("quant_method") == "compressed-tensors":
-        _check_int4_scheme(qc, where)
-        if not any(n.endswith(".weight_packed") for n in names):
-            raise CheckpointError(CONFIG_NAME, f"{where} declares pack-quantized INT4, but no tensor is a "
-                                               "'.weight_packed'.", _REFETCH)
-        if nested_qc is not None and not prefixed:
-            raise CheckpointError(CONFIG_NAME, f"{where} is nested (Kimi-K2.5 layout), but the tensors are not "
-                                               f"under '{NESTED_PREFIX}'.",
-                                  "use the config that came with these shards.")
-        if nested_qc is None and prefixed:
-            raise CheckpointError(CONFIG_NAME, f"{where} is at the top level (Kimi-K2 layout), but the tensors are "
-                                               f"under '{NESTED_PREFIX}' (Kimi-K2.5 layout).",
-                                  "move it into text_config, as Kimi-K2.5 ships it.")
-        fmt = "kimi-k2.5-int4" if prefixed else "kimi-k2-int4"
+        fmt = _int4_format(qc, where, names, nested=nested, prefixed=prefixed)
     elif qc.get("quant_method") == "fp8":
         _check_fp8_scheme(qc, where)
         if not any(n.endswith(".weight_scale_inv") for n in names):
@@ -137,13 +116,42 @@ def detect_format(config: dict[str, Any], tensor_names: Iterable[str]) -> tuple[
         raise CheckpointError(CONFIG_NAME, f"{where}.quant_method is {qc.get('quant_method')!r}; ktflow supports "
                                            "'compressed-tensors' (Kimi INT4) and 'fp8' (DeepSeek-V3 block FP8).",
                               "convert the checkpoint to BF16 first, or use one of the supported formats.")
-
     if (layout == "nested") != prefixed:
         config_says = "has a text_config (nested layout)" if layout == "nested" else "has no text_config (flat layout)"
         raise CheckpointError(CONFIG_NAME, f"{config_says}, but the tensors are {'' if prefixed else 'not '}"
                                            f"under '{NESTED_PREFIX}'.",
                               "use the config that came with these shards.")
-    return fmt, layout, prefix
+    return fmt, layout, NESTED_PREFIX if prefixed else ""
+
+
+def _quantization_config(config: dict[str, Any], layout: Layout) -> tuple[Any, str, bool]:
+    """``(quantization_config or None, where it is, whether it is nested in text_config)``."""
+    top_qc, nested_qc = config.get("quantization_config"), text_config(config).get("quantization_config")
+    if layout == "flat":
+        nested_qc = None  # text_config(config) is config itself
+    if top_qc is not None and nested_qc is not None and top_qc != nested_qc:
+        raise CheckpointError(CONFIG_NAME, "quantization_config and text_config.quantization_config disagree.",
+                              "keep one of them (Kimi-K2.5 keeps it in text_config).")
+    if nested_qc is not None:
+        return nested_qc, "text_config.quantization_config", True
+    return top_qc, "quantization_config", False
+
+
+def _int4_format(qc: dict[str, Any], where: str, names: list[str], *, nested: bool, prefixed: bool) -> CheckpointFormat:
+    """Kimi-K2.5 (nested config, prefixed tensors) or Kimi-K2 (flat) pack-quantized INT4."""
+    _check_int4_scheme(qc, where)
+    if not any(n.endswith(".weight_packed") for n in names):
+        raise CheckpointError(CONFIG_NAME, f"{where} declares pack-quantized INT4, but no tensor is a "
+                                           "'.weight_packed'.", _REFETCH)
+    if nested and not prefixed:
+        raise CheckpointError(CONFIG_NAME, f"{where} is nested (Kimi-K2.5 layout), but the tensors are not "
+                                           f"under '{NESTED_PREFIX}'.",
+                              "use the config that came with these shards.")
+    if not nested and prefixed:
+        raise CheckpointError(CONFIG_NAME, f"{where} is at the top level (Kimi-K2 layout), but the tensors are "
+                                           f"under '{NESTED_PREFIX}' (Kimi-K2.5 layout).",
+                              "move it into text_config, as Kimi-K2.5 ships it.")
+    return "kimi-k2.5-int4" if prefixed else "kimi-k2-int4"
 
 
 def _unsupported(field: str, value: object, supported: str) -> CheckpointError:
@@ -226,55 +234,14 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     weight_map, source = read_weight_map(path)
     try:  # config problems first, before any shard is opened
         fmt, layout, prefix = detect_format(config, weight_map)
-        tc, at = text_config(config), ("text_config." if layout == "nested" else "")
-        dims = {
-            "num_layers": _int_field(tc, "num_hidden_layers", at),
-            "first_k_dense": _int_field(tc, "first_k_dense_replace", at, default=0),
-            "num_routed_experts": _int_field(tc, "n_routed_experts", at),
-            "num_shared_experts": _int_field(tc, "n_shared_experts", at, default=0),
-            "hidden_size": _int_field(tc, "hidden_size", at),
-            "moe_intermediate_size": _int_field(tc, "moe_intermediate_size", at),
-            "intermediate_size": _int_field(tc, "intermediate_size", at),
-        }
+        dims = _dims(config, layout)
     except CheckpointError as e:
         if e.subject != CONFIG_NAME:
             raise
         raise CheckpointError(str(path / CONFIG_NAME), e.reason, e.fix) from None
-
-    headers: dict[str, SafetensorsHeader] = {}
-    for shard in sorted(set(weight_map.values())):
-        shard_path = path / shard
-        if not shard_path.is_file():
-            named = [n for n, s in weight_map.items() if s == shard]
-            raise CheckpointError(str(shard_path), f"missing shard: {source} names it for {len(named)} tensors "
-                                                   f"(e.g. '{named[0]}'), but it is not on disk.", _REFETCH)
-        headers[shard] = header = read_header(shard_path)
-        for name in header.tensors:
-            if weight_map.get(name) != shard:
-                raise CheckpointError(f"{shard_path}: tensor '{name}'",
-                                      f"is in this shard but {source} maps it to {weight_map.get(name)!r}.", _REFETCH)
-    for name, shard in weight_map.items():
-        if name not in headers[shard].tensors:
-            raise CheckpointError(f"{path / shard}: tensor '{name}'",
-                                  f"is named in {source} but absent from this shard.", _REFETCH)
-
+    headers = _shard_headers(path, weight_map, source)
     dtypes = {name: headers[shard].tensors[name].dtype for name, shard in weight_map.items()}
-    for name, dtype in dtypes.items():
-        module = name.rpartition(".")[0]
-        if name.endswith(".weight_packed"):
-            companions = (f"{module}.weight_scale", f"{module}.weight_shape")
-        elif dtype.startswith("F8_"):
-            if fmt != "deepseek-v3-fp8":
-                raise CheckpointError(f"{path / weight_map[name]}: tensor '{name}'",
-                                      f"is {dtype}, but config.json declares no FP8 quantization.", _REFETCH)
-            companions = (f"{module}.weight_scale_inv",)
-        else:
-            continue
-        for companion in companions:
-            if companion not in weight_map:
-                raise CheckpointError(f"{path / weight_map[name]}: tensor '{name}'",
-                                      f"has no companion '{companion}' in any shard of {source}.", _REFETCH)
-
+    _check_companions(path, fmt, weight_map, dtypes, source)
     architectures = config.get("architectures")
     return CheckpointInfo(
         path=str(path),
@@ -291,6 +258,61 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         dtypes=dict(sorted(Counter(dtypes.values()).items())),
         shards=sorted(headers),
     )
+
+
+def _dims(config: dict[str, Any], layout: Layout) -> dict[str, int]:
+    """The model's dimensions, from its (text) config."""
+    tc, at = text_config(config), ("text_config." if layout == "nested" else "")
+    return {
+        "num_layers": _int_field(tc, "num_hidden_layers", at),
+        "first_k_dense": _int_field(tc, "first_k_dense_replace", at, default=0),
+        "num_routed_experts": _int_field(tc, "n_routed_experts", at),
+        "num_shared_experts": _int_field(tc, "n_shared_experts", at, default=0),
+        "hidden_size": _int_field(tc, "hidden_size", at),
+        "moe_intermediate_size": _int_field(tc, "moe_intermediate_size", at),
+        "intermediate_size": _int_field(tc, "intermediate_size", at),
+    }
+
+
+def _shard_headers(path: Path, weight_map: dict[str, str], source: str) -> dict[str, SafetensorsHeader]:
+    """Every shard's header, each checked to hold exactly the tensors the index maps to it."""
+    headers: dict[str, SafetensorsHeader] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = path / shard
+        if not shard_path.is_file():
+            named = [n for n, s in weight_map.items() if s == shard]
+            raise CheckpointError(str(shard_path), f"missing shard: {source} names it for {len(named)} tensors "
+                                                   f"(e.g. '{named[0]}'), but it is not on disk.", _REFETCH)
+        headers[shard] = header = read_header(shard_path)
+        for name in header.tensors:
+            if weight_map.get(name) != shard:
+                raise CheckpointError(f"{shard_path}: tensor '{name}'",
+                                      f"is in this shard but {source} maps it to {weight_map.get(name)!r}.", _REFETCH)
+    for name, shard in weight_map.items():
+        if name not in headers[shard].tensors:
+            raise CheckpointError(f"{path / shard}: tensor '{name}'",
+                                  f"is named in {source} but absent from this shard.", _REFETCH)
+    return headers
+
+
+def _check_companions(path: Path, fmt: CheckpointFormat, weight_map: dict[str, str], dtypes: dict[str, str],
+                      source: str) -> None:
+    """Every quantized tensor has what decoding it takes (INT4: scale and shape; FP8: scale_inv)."""
+    for name, dtype in dtypes.items():
+        module = name.rpartition(".")[0]
+        if name.endswith(".weight_packed"):
+            companions = (f"{module}.weight_scale", f"{module}.weight_shape")
+        elif dtype.startswith("F8_"):
+            if fmt != "deepseek-v3-fp8":
+                raise CheckpointError(f"{path / weight_map[name]}: tensor '{name}'",
+                                      f"is {dtype}, but config.json declares no FP8 quantization.", _REFETCH)
+            companions = (f"{module}.weight_scale_inv",)
+        else:
+            continue
+        for companion in companions:
+            if companion not in weight_map:
+                raise CheckpointError(f"{path / weight_map[name]}: tensor '{name}'",
+                                      f"has no companion '{companion}' in any shard of {source}.", _REFETCH)
 
 
 def checkpoint_identity(path: str | Path) -> dict[str, Any]:

@@ -114,14 +114,23 @@ def cmd_fixture(args: argparse.Namespace) -> int:
     spec = FixtureSpec(
         kind=args.kind, layers=args.layers, experts=args.experts, hidden=args.hidden,
         moe_intermediate=args.moe_intermediate, seed=args.seed, full_size=args.full_size,
-        architecture=args.architecture,
+        architecture=args.architecture, size=args.size,
     )
     columns = (TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("shards", total=None)
         path = make_fixture(spec, Path(args.out_dir),
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
-    err.print(f"wrote {spec.kind}{' (full size)' if spec.full_size else ''} fixture to {path}")
+    form = " (full size)" if spec.full_size else ""
+    if spec.streamed:
+        from ktflow.fixtures import fixture_dims, streamed_parameters
+
+        vocab = json.loads((path / "config.json").read_text())["text_config"]["vocab_size"]
+        params = streamed_parameters(fixture_dims(spec), vocab_size=vocab)
+        on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        form = (f" ({spec.size}: {params / 1e9:.2f}B parameters, {2 * params / 1e9:.1f} GB in BF16, "
+                f"{on_disk / 1e9:.1f} GB on disk)")
+    err.print(f"wrote {spec.kind}{form} fixture to {path}")
     return 0
 
 
@@ -202,12 +211,14 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ktflow.dataset import validate_dataset
-    from ktflow.sft import run_sft
-    from ktflow.weights import ensure_training_weights
+    from ktflow.sft import check_hf_fits_gpus, run_sft
+    from ktflow.weights import ensure_source, ensure_training_weights
 
-    # Bad records are refused in seconds, before a download or an hours-long dequantize.
+    # Bad records and a model the GPUs cannot hold are refused in seconds, before an hours-long dequantize.
     validate_dataset(recipe.dataset)
-    model_dir = ensure_training_weights(recipe)
+    source = ensure_source(recipe)
+    check_hf_fits_gpus(recipe, host, source)
+    model_dir = ensure_training_weights(recipe, source=source)
     columns = (TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("sft", total=None, loss="")
@@ -672,11 +683,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--architecture", choices=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
                    default="DeepseekV2ForCausalLM",
                    help="deepseek-v2-lite only: the model class (V3: DeepSeek-V3 routing, which kt-kernel 0.7.2 trains)")
+    p.add_argument("--size", choices=("tiny", "bigger-than-gpu"), default="tiny",  # ktflow.fixtures.FIXTURE_SIZES
+                   help="kimi-k2.5 only: bigger-than-gpu = Kimi's widths, 8 layers of 180 experts (57.1B parameters, "
+                        "114 GB in BF16, 34.4 GB on disk), streamed one layer per shard")
 
     p = add("inspect", cmd_inspect, "detect a checkpoint's format and validate its files")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
     p.add_argument("--json", action="store_true")
 
+    _add_stage_commands(add)
+    _add_run_commands(add)
+    _add_host_commands(add)
+    return parser
+
+
+_Add = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
+def _add_stage_commands(add: _Add) -> None:
+    """One command per artifact stage: download, dequantize, sft, convert-lora, quantize-int8."""
     p = add("download", cmd_download, "fetch the recipe's source checkpoint (pinned, verified)")
     _add_recipe(p)
 
@@ -709,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="python of the serving toolchain (kt-kernel)")
     p.add_argument("--no-fsync", action="store_true")
 
+
+def _add_run_commands(add: _Add) -> None:
+    """Serving, evaluation and whole-pipeline runs."""
     p = add("serve", cmd_serve, "serve the tuned model behind an OpenAI-compatible API")
     _add_recipe(p)
     p.add_argument("--dry-run", action="store_true")
@@ -727,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", cmd_demo, "the pipeline flow on a tiny model and dataset made locally (CPU)")
     p.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
 
+
+def _add_host_commands(add: _Add) -> None:
+    """Workers and dataset versions: the distributed side."""
     p = add("worker", cmd_worker, "join the Prefect work pools this host qualifies for")
     p.add_argument("--pool", action="append", metavar="POOL", help="a pool to join (repeatable; default: all that qualify)")
     p.add_argument("--name", metavar="HOST", help="the host name the worker advertises (default: hostname)")
@@ -748,7 +779,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("path", metavar="PATH", help="the new dataset file")
     q.add_argument("--recipe", required=True, metavar="FILE", help="the recipe to retrain with it")
     q.add_argument("--json", action="store_true")
-    return parser
 
 
 class _Terminated(KeyboardInterrupt):

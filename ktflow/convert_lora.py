@@ -45,15 +45,8 @@ from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, I
 from ktflow.process import run_tool
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.sft import ADAPTER_FILES, tool_versions
-from ktflow.store import (
-    StageManifest,
-    artifact_lock,
-    check_free_space,
-    publish_dir,
-    read_manifest,
-    staging_dir_for,
-    storage_errors,
-)
+from ktflow.runner import DiskNeed, Job, Resources, StageSpec, find_published, run_stage
+from ktflow.store import StageManifest
 
 STAGE = "convert-lora"
 ADAPTER_MODEL = "adapter_model.safetensors"
@@ -160,8 +153,17 @@ def verify_kt_manifest(adapter_dir: Path) -> dict[str, str]:
                 "use a checkpoint-N whose kt_adapter_manifest.json exists, or copy the manifest along with the "
                 "adapter files.")
         return {}
+    artifacts = _manifest_artifacts(adapter_dir, path)
+    return {name: _verify_listed_file(adapter_dir, path, name, record) for name, record in sorted(artifacts.items())}
+
+
+_UNFINISHED_SAVE_FIX = "use the last complete checkpoint-N, or re-save the adapter from training."
+
+
+def _manifest_artifacts(adapter_dir: Path, path: Path) -> dict[str, Any]:
+    """The manifest's ``artifacts``, once its version and status are right and it lists every adapter file."""
     manifest = _read_json_object(path)
-    fix = "use the last complete checkpoint-N, or re-save the adapter from training."
+    fix = _UNFINISHED_SAVE_FIX
     if manifest.get("version") != KT_MANIFEST_VERSION:
         raise AdapterError(f"{path}: version", f"is {manifest.get('version')!r}; ktflow reads version "
                                                f"{KT_MANIFEST_VERSION} (kt-kernel 0.7).",
@@ -176,28 +178,31 @@ def verify_kt_manifest(adapter_dir: Path) -> dict[str, str]:
         if (adapter_dir / name).exists() and name not in artifacts:
             raise AdapterError(f"{path}: artifacts", f"does not list {name}, which is in the directory: it cannot "
                                                      "be verified (it was written after the manifest).", fix)
-    digests: dict[str, str] = {}
-    for name, record in sorted(artifacts.items()):
-        if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
-            raise AdapterError(f"{path}: artifacts", f"names {name!r}, which is not a plain file name.", fix)
-        if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
-            raise AdapterError(f"{path}: artifacts.{name}", "has no sha256.", fix)
-        file = adapter_dir / name
-        if file.is_symlink() or not file.is_file():
-            raise AdapterError(str(file), f"is listed in {KT_MANIFEST} but missing from the adapter directory.",
-                               "copy the whole adapter directory (every file the manifest lists).")
-        size = file.stat().st_size
-        if record.get("size") != size:
-            raise AdapterError(str(file), f"is {size} bytes, but {KT_MANIFEST} says {record.get('size')}: the file "
-                                          "was changed or truncated after the adapter was saved.",
-                               "copy the file again from the training output.")
-        digest = _sha256_file(file)
-        if digest != record["sha256"]:
-            raise AdapterError(str(file), f"has sha256 {digest}, but {KT_MANIFEST} says {record['sha256']}: the file "
-                                          "was changed after the adapter was saved (tampered or corrupted).",
-                               "copy the file again from the training output.")
-        digests[name] = digest
-    return digests
+    return artifacts
+
+
+def _verify_listed_file(adapter_dir: Path, path: Path, name: Any, record: Any) -> str:
+    """The sha256 of one file the manifest lists, once its size and hash are the listed ones."""
+    if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
+        raise AdapterError(f"{path}: artifacts", f"names {name!r}, which is not a plain file name.",
+                           _UNFINISHED_SAVE_FIX)
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        raise AdapterError(f"{path}: artifacts.{name}", "has no sha256.", _UNFINISHED_SAVE_FIX)
+    file = adapter_dir / name
+    if file.is_symlink() or not file.is_file():
+        raise AdapterError(str(file), f"is listed in {KT_MANIFEST} but missing from the adapter directory.",
+                           "copy the whole adapter directory (every file the manifest lists).")
+    size = file.stat().st_size
+    if record.get("size") != size:
+        raise AdapterError(str(file), f"is {size} bytes, but {KT_MANIFEST} says {record.get('size')}: the file "
+                                      "was changed or truncated after the adapter was saved.",
+                           "copy the file again from the training output.")
+    digest = _sha256_file(file)
+    if digest != record["sha256"]:
+        raise AdapterError(str(file), f"has sha256 {digest}, but {KT_MANIFEST} says {record['sha256']}: the file "
+                                      "was changed after the adapter was saved (tampered or corrupted).",
+                           "copy the file again from the training output.")
+    return digest
 
 
 # --------------------------------------------------------------------------- base checkpoint
@@ -562,28 +567,127 @@ def validate_adapter(adapter_dir: Path, base_dir: Path) -> tuple[int, list[str]]
 # --------------------------------------------------------------------------- the stage
 
 
+@dataclass(frozen=True)
+class ConvertLoraRequest:
+    """The convert-lora stage's arguments (see :func:`convert_lora`)."""
+
+    adapter_dir: Path
+    out_dir: Path
+    base_dir: Path
+    serve_python: Path
+    lora_alpha: float | None = None
+    env: Mapping[str, str] | None = field(default=None, repr=False)  # the toolchain's: may hold credentials
+    on_line: Callable[[str], None] | None = None
+
+
+class ConvertLoraSizes(BaseModel):
+    """What the converted adapter's size is a function of."""
+
+    adapter_bytes: int  # the adapter files' bytes
+    kind: AdapterKind
+
+
+def convert_lora_needs(request: ConvertLoraRequest, sizes: ConvertLoraSizes) -> Resources:
+    """Disk only: the adapter again (KT fused: twice, the split experts beside the copied rest)."""
+    need = sizes.adapter_bytes * (2 if sizes.kind == "kt-fused" else 1)
+    return Resources(disk=(DiskNeed(bytes=need, files=4, what="the converted adapter"),))
+
+
+@dataclass(kw_only=True)
+class _Job(Job[ConvertLoraRequest]):
+    adapter_dir: Path
+    base_dir: Path
+    kind: AdapterKind
+    base: _Base
+    source: _Summary  # the input adapter, validated against the base
+    stats: dict[str, tuple[int, int]]  # the adapter files' (size, mtime) before they were hashed
+    identity: StageManifest  # inputs, settings and tools: the cache key
+    made: _Summary | None = None  # the converted adapter, validated
+
+
 def _check_paths(adapter_dir: Path, out_dir: Path, base_dir: Path) -> None:
     for a, b in ((out_dir, adapter_dir), (adapter_dir, out_dir), (out_dir, base_dir), (base_dir, out_dir)):
         if a == b or b in a.parents:
             raise InvalidInputError(f"out_dir {out_dir}", f"overlaps {b} (the output must be a separate directory, "
                                                           "neither inside nor around the adapter or the base).",
                                     "choose an output directory elsewhere.")
-    if out_dir.exists() and read_manifest(out_dir) is None and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise InvalidInputError(f"out_dir {out_dir}", "exists and is not a ktflow artifact; refusing to replace it.",
-                                "choose a new output directory or delete this one.")
 
 
-def _cached(out_dir: Path, manifest: StageManifest) -> StageManifest | None:
-    existing = read_manifest(out_dir) if out_dir.is_dir() else None
-    if existing is None or existing.stage != STAGE or existing.engine_version != ENGINE_VERSION:
+def _check_alpha(adapter_dir: Path, lora_alpha: float | None) -> None:
+    """A given lora_alpha must be a positive number, and may not contradict the trained one."""
+    if lora_alpha is not None and not _is_positive_number(lora_alpha):
+        raise InvalidInputError("lora_alpha", f"is {lora_alpha!r}; expected a positive number.")
+    trained_alpha = _adapter_config(adapter_dir).get("lora_alpha")
+    if lora_alpha is not None and _is_positive_number(trained_alpha) and float(trained_alpha) != lora_alpha:
+        raise AdapterError(f"{adapter_dir / ADAPTER_CONFIG}: lora_alpha",
+                           f"is {trained_alpha!r}, but lora_alpha {lora_alpha:g} was given; the adapter was "
+                           "trained with the config's value (and kt-kernel's converter keeps it).",
+                           "leave lora_alpha unset, or fix adapter_config.json if it is really wrong.")
+
+
+def _converter_tools(kind: AdapterKind, serve_python: Path) -> dict[str, str]:
+    """The serving toolchain's kt-kernel version (KT fused path only; it runs the converter).
+
+    Raises:
+        HostRequirementError: no such python, no kt-kernel in it, or another release line.
+    """
+    if kind != "kt-fused":
+        return {}
+    tools = tool_versions(serve_python, ("kt-kernel",)) if serve_python.exists() else {}
+    if "kt-kernel" not in tools:
+        raise HostRequirementError(
+            f"serve_python {serve_python}",
+            "is missing or has no kt-kernel; converting a KT fused expert LoRA needs kt-kernel's converter.",
+            "run `make serve-env`, or set toolchains.serve.python to the python of the environment with kt-kernel.")
+    if tools["kt-kernel"].split("+")[0].split(".")[:2] != KT_KERNEL_SERIES.split("."):
+        raise HostRequirementError(
+            f"serve_python {serve_python}",
+            f"has kt-kernel {tools['kt-kernel']}; the KT fused adapter format (manifest version "
+            f"{KT_MANIFEST_VERSION}) and its converter are kt-kernel {KT_KERNEL_SERIES}'s.",
+            f"run `make serve-env` (kt-kernel {KT_KERNEL_SERIES}.x, pinned in constraints/serve.txt), or point "
+            "toolchains.serve.python at such an environment.")
+    return tools
+
+
+def _prepare(request: ConvertLoraRequest) -> _Job:
+    adapter_dir = _require_dir(request.adapter_dir)
+    stats = _input_stats(adapter_dir)  # before hashing: any later rewrite is seen
+    out_dir, base_dir = Path(request.out_dir).absolute(), Path(request.base_dir).resolve()
+    out_dir = out_dir.parent.resolve() / out_dir.name  # the converter compares resolved paths
+    hashes = verify_kt_manifest(adapter_dir)  # first: nothing is trusted before this passes
+    _check_paths(adapter_dir, out_dir, base_dir)
+    kind: AdapterKind = "kt-fused" if (adapter_dir / FUSED_EXPERT_LORA).is_file() else "peft"
+    _check_alpha(adapter_dir, request.lora_alpha)
+    base = _Base(base_dir)
+    source = _validate(adapter_dir, base, alpha_override=request.lora_alpha)
+    _check_kt_manifest_lora(adapter_dir, source.rank, source.alpha)
+    for name in ADAPTER_FILES:
+        if name not in hashes and (adapter_dir / name).is_file():
+            hashes[name] = _sha256_file(adapter_dir / name)
+    identity = StageManifest(
+        stage=STAGE,
+        inputs={**{f"adapter/{name}": digest for name, digest in sorted(hashes.items())},
+                "base": checkpoint_digest(base_dir)},
+        settings={"kind": kind, "base_model_name_or_path": str(base_dir), "lora_alpha": request.lora_alpha},
+        tools=_converter_tools(kind, Path(request.serve_python).absolute()),
+    )
+    return _Job(request=request, target=out_dir, adapter_dir=adapter_dir, base_dir=base_dir, kind=kind, base=base,
+                source=source, stats=stats, identity=identity)
+
+
+def _lookup(job: _Job) -> ConvertLoraResult | None:
+    wanted = job.identity
+    existing = find_published(job.target, STAGE, inputs=wanted.inputs, settings=wanted.settings, tools=wanted.tools,
+                              intact=True)
+    if existing is None or existing.engine_version != ENGINE_VERSION:
         return None
-    if (existing.inputs, existing.settings, existing.tools) != (manifest.inputs, manifest.settings, manifest.tools):
-        return None
-    for entry in existing.files:
-        file = out_dir / entry.path
-        if not file.is_file() or file.stat().st_size != entry.size:
-            return None
-    return existing
+    return ConvertLoraResult(path=job.target, kind=job.kind, cached=True, tensors=existing.extra["tensors"],
+                             rank=existing.extra["rank"], target_modules=existing.extra["target_modules"],
+                             manifest_digest=existing.digest())
+
+
+def _measure(job: _Job, resumed: Path | None) -> ConvertLoraSizes:
+    return ConvertLoraSizes(adapter_bytes=sum(size for size, _ in job.stats.values()), kind=job.kind)
 
 
 def _input_stats(adapter_dir: Path) -> dict[str, tuple[int, int]]:
@@ -598,6 +702,15 @@ def _input_stats(adapter_dir: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _work(job: _Job, staging: Path) -> None:
+    request = job.request
+    if job.kind == "kt-fused":
+        _run_converter(job.adapter_dir, staging, job.base_dir, Path(request.serve_python).absolute(),
+                       request.lora_alpha, request.env, request.on_line)
+    else:
+        _publish_peft(job.adapter_dir, staging, job.base_dir, request.lora_alpha)
+
+
 def _run_converter(
     adapter_dir: Path, staging: Path, base_dir: Path, serve_python: Path, lora_alpha: float | None,
     env: Mapping[str, str] | None, on_line: Callable[[str], None] | None,
@@ -610,13 +723,20 @@ def _run_converter(
 
 
 def _publish_peft(adapter_dir: Path, staging: Path, base_dir: Path, lora_alpha: float | None) -> None:
-    staging.mkdir(parents=True)
+    staging.mkdir(parents=True, exist_ok=True)
     shutil.copy2(adapter_dir / ADAPTER_MODEL, staging / ADAPTER_MODEL)
     config = _adapter_config(adapter_dir)
     config["base_model_name_or_path"] = str(base_dir)
     if config.get("lora_alpha") is None and lora_alpha is not None:
         config["lora_alpha"] = lora_alpha
     (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _verify(job: _Job, staging: Path) -> None:
+    job.made = _check_result(staging, job.base, job.base_dir, job.source, job.kind)
+    if _input_stats(job.adapter_dir) != job.stats:
+        raise KtflowError(f"{job.adapter_dir}: adapter files changed while being converted ({sorted(job.stats)}); "
+                          "nothing was published. Rerun once the training output is stable.")
 
 
 def _check_result(staging: Path, base: _Base, base_dir: Path, source: _Summary, kind: AdapterKind) -> _Summary:
@@ -635,6 +755,30 @@ def _check_result(staging: Path, base: _Base, base_dir: Path, source: _Summary, 
     return result
 
 
+def _manifest(job: _Job) -> StageManifest:
+    made = job.made
+    assert made is not None
+    return job.identity.model_copy(update={"extra": {
+        "tensors": made.tensors, "rank": made.rank, "lora_alpha": made.alpha,
+        "target_modules": made.target_modules, "source": str(job.adapter_dir),
+    }})
+
+
+def _result(job: _Job, manifest: StageManifest) -> ConvertLoraResult:
+    made = job.made
+    assert made is not None
+    return ConvertLoraResult(path=job.target, kind=job.kind, cached=False, tensors=made.tensors, rank=made.rank,
+                             target_modules=made.target_modules, manifest_digest=manifest.digest())
+
+
+CONVERT_LORA: StageSpec[ConvertLoraRequest, _Job, ConvertLoraSizes, ConvertLoraResult] = StageSpec(
+    name=STAGE, prepare=_prepare, lookup=_lookup, measure=_measure, needs=convert_lora_needs,
+    work=_work, verify=_verify, manifest=_manifest, result=_result,
+    discard_on=(BaseException,),  # small and quick: a failed attempt leaves nothing to resume
+)
+"""The convert-lora stage, declared for :func:`~ktflow.runner.run_stage` (and a planner)."""
+
+
 def convert_lora(
     adapter_dir: Path,
     out_dir: Path,
@@ -644,7 +788,6 @@ def convert_lora(
     lora_alpha: float | None = None,
     env: Mapping[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
-    _locked: bool = False,
 ) -> ConvertLoraResult:
     """Make ``adapter_dir`` servable by SGLang against ``base_dir`` and publish it as ``out_dir``.
 
@@ -670,86 +813,6 @@ def convert_lora(
     Concurrent runs onto one ``out_dir`` are serialized (:func:`~ktflow.store.artifact_lock`):
     the second waits, then finds the artifact published (a cache hit).
     """
-    adapter_dir = _require_dir(adapter_dir)
-    inputs_before = _input_stats(adapter_dir)  # before hashing: any later rewrite is seen
-    out_dir, base_dir = Path(out_dir).absolute(), Path(base_dir).resolve()
-    out_dir = out_dir.parent.resolve() / out_dir.name  # the converter compares resolved paths
-    hashes = verify_kt_manifest(adapter_dir)  # first: nothing is trusted before this passes
-    _check_paths(adapter_dir, out_dir, base_dir)
-    kind: AdapterKind = "kt-fused" if (adapter_dir / FUSED_EXPERT_LORA).is_file() else "peft"
-    if lora_alpha is not None and not _is_positive_number(lora_alpha):
-        raise InvalidInputError("lora_alpha", f"is {lora_alpha!r}; expected a positive number.")
-    config = _adapter_config(adapter_dir)
-    trained_alpha = config.get("lora_alpha")
-    if lora_alpha is not None and _is_positive_number(trained_alpha) and float(trained_alpha) != lora_alpha:
-        raise AdapterError(f"{adapter_dir / ADAPTER_CONFIG}: lora_alpha",
-                           f"is {trained_alpha!r}, but lora_alpha {lora_alpha:g} was given; the adapter was "
-                           "trained with the config's value (and kt-kernel's converter keeps it).",
-                           "leave lora_alpha unset, or fix adapter_config.json if it is really wrong.")
-
-    base = _Base(base_dir)
-    source = _validate(adapter_dir, base, alpha_override=lora_alpha)
-    _check_kt_manifest_lora(adapter_dir, source.rank, source.alpha)
-
-    for name in ADAPTER_FILES:
-        if name not in hashes and (adapter_dir / name).is_file():
-            hashes[name] = _sha256_file(adapter_dir / name)
-    tools: dict[str, str] = {}
-    if kind == "kt-fused":
-        serve_python = Path(serve_python).absolute()
-        tools = tool_versions(serve_python, ("kt-kernel",)) if serve_python.exists() else {}
-        if "kt-kernel" not in tools:
-            raise HostRequirementError(
-                f"serve_python {serve_python}",
-                "is missing or has no kt-kernel; converting a KT fused expert LoRA needs kt-kernel's converter.",
-                "run `make serve-env`, or set toolchains.serve.python to the python of the environment with kt-kernel.")
-        if tools["kt-kernel"].split("+")[0].split(".")[:2] != KT_KERNEL_SERIES.split("."):
-            raise HostRequirementError(
-                f"serve_python {serve_python}",
-                f"has kt-kernel {tools['kt-kernel']}; the KT fused adapter format (manifest version "
-                f"{KT_MANIFEST_VERSION}) and its converter are kt-kernel {KT_KERNEL_SERIES}'s.",
-                f"run `make serve-env` (kt-kernel {KT_KERNEL_SERIES}.x, pinned in constraints/serve.txt), or point "
-                "toolchains.serve.python at such an environment.")
-    manifest = StageManifest(
-        stage=STAGE,
-        inputs={**{f"adapter/{name}": digest for name, digest in sorted(hashes.items())},
-                "base": checkpoint_digest(base_dir)},
-        settings={"kind": kind, "base_model_name_or_path": str(base_dir), "lora_alpha": lora_alpha},
-        tools=tools,
-    )
-    existing = _cached(out_dir, manifest)
-    if existing is not None:
-        return ConvertLoraResult(path=out_dir, kind=kind, cached=True, tensors=existing.extra["tensors"],
-                                 rank=existing.extra["rank"], target_modules=existing.extra["target_modules"],
-                                 manifest_digest=existing.digest())
-    if not _locked:  # one writer per OUT_DIR; a concurrent run waits here, then finds it published
-        with artifact_lock(out_dir), storage_errors(out_dir):
-            return convert_lora(adapter_dir, out_dir, base_dir=base_dir, serve_python=serve_python,
-                                lora_alpha=lora_alpha, env=env, on_line=on_line, _locked=True)
-    size = sum(st[0] for st in inputs_before.values())
-    check_free_space(out_dir, size * (2 if kind == "kt-fused" else 1), what="the converted adapter", files=4)
-
-    staging = staging_dir_for(out_dir)
-    shutil.rmtree(staging, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if kind == "kt-fused":
-            _run_converter(adapter_dir, staging, base_dir, serve_python, lora_alpha, env, on_line)
-        else:
-            _publish_peft(adapter_dir, staging, base_dir, lora_alpha)
-        result = _check_result(staging, base, base_dir, source, kind)
-        if _input_stats(adapter_dir) != inputs_before:
-            raise KtflowError(f"{adapter_dir}: adapter files changed while being converted ({sorted(inputs_before)}); "
-                              "nothing was published. Rerun once the training output is stable.")
-        manifest = manifest.model_copy(update={"extra": {
-            "tensors": result.tensors, "rank": result.rank, "lora_alpha": result.alpha,
-            "target_modules": result.target_modules, "source": str(adapter_dir),
-        }})
-        if out_dir.is_dir() and read_manifest(out_dir) is None and not any(out_dir.iterdir()):
-            out_dir.rmdir()  # an empty placeholder; publish_dir only replaces artifacts of ours
-        manifest = publish_dir(staging, out_dir, manifest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return ConvertLoraResult(path=out_dir, kind=kind, cached=False, tensors=result.tensors, rank=result.rank,
-                             target_modules=result.target_modules, manifest_digest=manifest.digest())
+    request = ConvertLoraRequest(adapter_dir=Path(adapter_dir), out_dir=Path(out_dir), base_dir=Path(base_dir),
+                                 serve_python=Path(serve_python), lora_alpha=lora_alpha, env=env, on_line=on_line)
+    return run_stage(CONVERT_LORA, request)

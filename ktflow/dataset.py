@@ -217,7 +217,6 @@ def prepare_dataset(
                 dataset_dir=out_dir, name=cfg.name, records=int(reusable.extra["records"]),
                 digest=digest, entry=reusable.extra["entry"], reused=True,
             )
-
     renderer = _ChatRenderer(model_dir) if template == "empty" else None  # type: ignore[arg-type]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir_for(out_dir)
@@ -230,18 +229,9 @@ def prepare_dataset(
         if count == 0:
             raise DatasetError(f"dataset '{cfg.name}'", "the files hold no records", "add training records")
         (staging / DATASET_INFO).write_text(json.dumps({cfg.name: entry}, indent=2) + "\n", encoding="utf-8")
-        manifest = StageManifest(
-            stage=STAGE_NAME,
-            inputs={label: sha for label, sha, _ in file_hashes},
-            settings={
-                "format": cfg.format, "template": template,
-                "columns": cfg.columns or {}, "tags": cfg.tags or {},
-                "images_dir": str(cfg.images_dir) if cfg.images_dir else None,
-                "model_dir": str(model_dir) if renderer is not None else None,
-            },
-            tools=renderer.tools if renderer is not None else {},
-            extra={"digest": digest, "records": count, "entry": entry, "name": cfg.name},
-        )
+        manifest = _dataset_manifest(cfg, template, model_dir if renderer is not None else None, file_hashes,
+                                     tools=renderer.tools if renderer is not None else {},
+                                     extra={"digest": digest, "records": count, "entry": entry, "name": cfg.name})
         if out_dir.is_dir() and reusable is None:
             out_dir.rmdir()  # empty (checked by _existing_artifact); a rename cannot replace it otherwise
         publish_dir(staging, out_dir, manifest)
@@ -249,6 +239,23 @@ def prepare_dataset(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return PreparedDataset(dataset_dir=out_dir, name=cfg.name, records=count, digest=digest, entry=entry)
+
+
+def _dataset_manifest(cfg: DatasetConfig, template: str, model_dir: Path | None, file_hashes: list[tuple[str, str, int]],
+                      *, tools: dict[str, str], extra: dict[str, Any]) -> StageManifest:
+    """What a prepared dataset is: the files' hashes, the format settings, the chat template's tools."""
+    return StageManifest(
+        stage=STAGE_NAME,
+        inputs={label: sha for label, sha, _ in file_hashes},
+        settings={
+            "format": cfg.format, "template": template,
+            "columns": cfg.columns or {}, "tags": cfg.tags or {},
+            "images_dir": str(cfg.images_dir) if cfg.images_dir else None,
+            "model_dir": str(model_dir) if model_dir is not None else None,
+        },
+        tools=tools,
+        extra=extra,
+    )
 
 
 def dataset_entry(cfg: DatasetConfig, *, template: str) -> dict[str, Any]:
@@ -810,40 +817,54 @@ def _flatten_content(content: Any, label: str, where: _Located) -> tuple[str, li
     return "".join(pieces), images
 
 
+_Parsed = tuple[int, str, str, "list[Any] | None"]  # index, role, text, tool calls
+
+
 def _normalize_openai(
     obj: dict[str, Any], columns: dict[str, str], tags: dict[str, str], where: _Located
 ) -> _Normalized:
     key = columns["messages"]
     messages = _messages_list(obj, key)
     tools_text, tools = _tools(obj, columns["tools"])
-
-    parsed: list[tuple[int, str, str, list[Any] | None]] = []  # index, role, text, tool calls
+    parsed: list[_Parsed] = []
     images: list[str] = []
     chat: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
-        label = f"{key}[{i}]"
-        if not isinstance(message, dict):
-            raise _Bad(f"{label} must be an object (got {_json_type(message)})")
-        if "role" not in message:
-            raise _Bad(f"{label}: missing required key 'role'")
-        role = message["role"]
-        if role not in OPENAI_ROLES:
-            hint = " (write 'system')" if role == "developer" else ""
-            raise _Bad(f"{label}: unknown role {json.dumps(role)} (expected one of {', '.join(OPENAI_ROLES)}){hint}")
-        tool_calls = message.get("tool_calls") if role == "assistant" else None
-        if tool_calls is not None:
-            tool_calls = _check_tool_calls(tool_calls, label)
-        if "content" not in message and not tool_calls:
-            raise _Bad(f"{label}: missing required key 'content'")
-        text, part_images = _flatten_content(message.get("content"), label, where)
+        role, text, tool_calls, part_images = _openai_message(message, f"{key}[{i}]", where)
         images += part_images
         parsed.append((i, role, text, tool_calls))
         # The model's own template gets the message as written, content flattened to text.
         chat.append({**message, "content": text})
+    body = parsed[1:] if parsed[0][1] == "system" else parsed
+    _check_openai_turns(body, key)
+    out: list[dict[str, str]] = [{"role": "system", "content": parsed[0][2]}] if parsed[0][1] == "system" else []
+    dropped = _sharegpt_turns(body, key, out)
+    record = {"messages": out, "tools": tools_text, "images": images}
+    return _Normalized(record=record, messages=chat, tools=tools, images=images, text_with_tool_calls=dropped)
 
-    body = parsed
-    if parsed[0][1] == "system":
-        body = parsed[1:]
+
+def _openai_message(message: Any, label: str, where: _Located) -> tuple[str, str, list[Any] | None, list[str]]:
+    """One OpenAI message, checked: its role, its content as text, its tool calls, its images."""
+    if not isinstance(message, dict):
+        raise _Bad(f"{label} must be an object (got {_json_type(message)})")
+    if "role" not in message:
+        raise _Bad(f"{label}: missing required key 'role'")
+    role = message["role"]
+    if role not in OPENAI_ROLES:
+        hint = " (write 'system')" if role == "developer" else ""
+        raise _Bad(f"{label}: unknown role {json.dumps(role)} (expected one of {', '.join(OPENAI_ROLES)}){hint}")
+    tool_calls = message.get("tool_calls") if role == "assistant" else None
+    if tool_calls is not None:
+        tool_calls = _check_tool_calls(tool_calls, label)
+    if "content" not in message and not tool_calls:
+        raise _Bad(f"{label}: missing required key 'content'")
+    text, part_images = _flatten_content(message.get("content"), label, where)
+    return role, text, tool_calls, part_images
+
+
+def _check_openai_turns(body: list[_Parsed], key: str) -> None:
+    """After an optional leading system message: no other system message, no empty turn, and turns
+    that alternate (user or tool results, then assistant or tool calls)."""
     aligned: list[tuple[int, str, str]] = []  # index, role as written, kind
     for index, role, text, tool_calls in body:
         if role == "system":
@@ -862,10 +883,11 @@ def _normalize_openai(
             aligned.append((index, role, role))
     _alternation(aligned, key, ("user", "observation"), ("assistant", "function"))
 
-    out: list[dict[str, str]] = []
+
+def _sharegpt_turns(body: list[_Parsed], key: str, out: list[dict[str, str]]) -> list[str]:
+    """Append LlamaFactory's turns for ``body`` to ``out``; return the messages whose text beside
+    tool calls is dropped (LlamaFactory keeps only the calls)."""
     dropped: list[str] = []
-    if parsed[0][1] == "system":
-        out.append({"role": "system", "content": parsed[0][2]})
     pending_tool: list[str] = []
     for index, role, text, tool_calls in body:
         if role != "tool" and pending_tool:
@@ -883,9 +905,7 @@ def _normalize_openai(
             out.append({"role": role, "content": text})
     if pending_tool:
         out.append({"role": "tool", "content": _TOOL_RESPONSE_JOIN.join(pending_tool)})
-
-    record = {"messages": out, "tools": tools_text, "images": images}
-    return _Normalized(record=record, messages=chat, tools=tools, images=images, text_with_tool_calls=dropped)
+    return dropped
 
 
 def _check_tool_calls(tool_calls: Any, label: str) -> list[dict[str, Any]]:

@@ -19,11 +19,11 @@ import json
 import os
 import shutil
 import threading
-import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -50,23 +50,15 @@ from ktflow.safetensors_io import (
     read_header,
     read_tensor,
 )
-from ktflow.store import (
-    StageManifest,
-    artifact_lock,
-    atomic_write_json,
-    check_free_space,
-    publish_dir,
-    read_manifest,
-    staging_dir_for,
-    storage_errors,
-)
+from ktflow.runner import DiskNeed, Job, Progress, Resources, StageSpec, find_published, run_stage
+from ktflow.store import StageManifest, atomic_write_json
 
 INT4_GROUP_SIZE = 32
 FP8_BLOCK = (128, 128)
+STAGE = "dequantize"
 _JOURNAL = ".ktflow-dequantize.json"  # identity of the source a staging dir was started from
 _TMP_SUFFIX = ".tmp"
-
-Progress = Callable[[int, int], None]
+_HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk check
 Pieces = Generator[memoryview, None, None]  # one tensor's bytes in order, each piece valid until the next
 
 
@@ -440,6 +432,145 @@ def _strip_quantization_config(config: Any) -> Any:
     return config
 
 
+@dataclass(frozen=True)
+class DequantizeRequest:
+    """The dequantize stage's arguments (see :func:`dequantize_checkpoint`)."""
+
+    src: Path
+    dst: Path
+    workers: int | None = None
+    fsync: bool = True
+
+
+class DequantizeSizes(BaseModel):
+    """What the BF16 output's size is a function of (what is left of it, when resuming)."""
+
+    tensor_bytes: int  # BF16 and pass-through tensor bytes still to write
+    tensors: int  # tensors still to write
+    shards: int  # output shards still to write
+    other_bytes: int  # files copied as they are (config, tokenizer, remote code, ...)
+    output_bytes: int  # every tensor of the output, written or not
+
+
+def dequantize_needs(request: DequantizeRequest, sizes: DequantizeSizes) -> Resources:
+    """Disk only: the tensors still to write (plus a safetensors header estimate each) and the copies."""
+    return Resources(
+        disk=(DiskNeed(bytes=sizes.tensor_bytes + _HEADER_BYTES_PER_TENSOR * sizes.tensors + sizes.other_bytes,
+                       files=sizes.shards + 8, what="the BF16 output"),),
+        artifact_bytes=sizes.output_bytes + sizes.other_bytes,
+    )
+
+
+@dataclass(kw_only=True)
+class _Job(Job[DequantizeRequest]):
+    info: CheckpointInfo
+    ckpt: _Checkpoint | None = None  # None: a BF16 source, used as it is
+    identity: dict[str, Any] = field(default_factory=dict)
+    decoded: int = 0
+    total: int = 0
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        return {"source": identity_digest(self.identity)}
+
+    @cached_property
+    def plans(self) -> dict[str, list[_OutTensor]]:
+        """Every output shard's tensors: each header, dtype, shape and companion checked."""
+        assert self.ckpt is not None
+        return {shard: _plan_shard(self.ckpt, shard) for shard in self.ckpt.shards()}
+
+
+def _prepare(request: DequantizeRequest) -> _Job:
+    src, dst = Path(request.src), Path(request.dst)
+    info = inspect_checkpoint(src)  # validates config, index and every header before any work
+    if info.format == "bf16":
+        return _Job(request=request, target=dst, info=info)
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise InvalidInputError(str(dst), "the output directory is the source or inside it", "choose another DST")
+    identity = checkpoint_identity(src)
+    return _Job(request=request, target=dst, info=info, ckpt=_Checkpoint(src, info), identity=identity,
+                journal={"identity": identity}, fsync=request.fsync)
+
+
+def _lookup(job: _Job) -> DequantizeResult | None:
+    if job.ckpt is None:
+        return DequantizeResult(path=job.request.src, source_format="bf16", reused_source=True, cached=False,
+                                shards=job.info.num_shards, tensors_decoded=0, bytes_written=0, seconds=job.seconds(),
+                                manifest_digest=None)
+    existing = find_published(job.target, STAGE, inputs=job.inputs)
+    if existing is None:
+        return None
+    return DequantizeResult(path=job.target, source_format=job.info.format, reused_source=False, cached=True,
+                            shards=len(job.ckpt.shards()), tensors_decoded=0, bytes_written=0, seconds=job.seconds(), manifest_digest=existing.digest())
+
+
+def _measure(job: _Job, resumed: Path | None) -> DequantizeSizes:
+    assert job.ckpt is not None
+    left = [plan for shard, plan in job.plans.items() if resumed is None or not _complete(resumed / shard, plan)]
+    return DequantizeSizes(
+        tensor_bytes=sum(t.nbytes for plan in left for t in plan), tensors=sum(len(plan) for plan in left),
+        shards=len(left), output_bytes=sum(t.nbytes for plan in job.plans.values() for t in plan),
+        other_bytes=sum(p.stat().st_size for p in job.ckpt.path.rglob("*") if p.is_file() and p.name not in job.plans),
+    )
+
+
+def _work(job: _Job, staging: Path) -> None:
+    assert job.ckpt is not None
+    job.total = sum(t.nbytes for plan in job.plans.values() for t in plan)
+    job.decoded = sum(1 for plan in job.plans.values() for t in plan if t.kind != "copy")
+    advance = _Advance(job.total, job.report)
+    jobs: list[_ShardJob] = []
+    for shard, plan in job.plans.items():
+        final = staging / shard
+        if _complete(final, plan):
+            advance(sum(t.nbytes for t in plan))  # finished by an earlier attempt
+        else:
+            jobs.append(_ShardJob(job.ckpt, shard, plan, final, job.fsync, job.identity))
+    with _single_thread_torch():
+        _run_jobs(jobs, job.request.workers or _physical_cores(), advance)
+    src = job.ckpt.path
+    config = _strip_quantization_config(json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")))
+    atomic_write_json(staging / CONFIG_NAME, config, fsync=job.fsync)
+    weight_map = {t.name: shard for shard, plan in job.plans.items() for t in plan}
+    atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": job.total},
+                                             "weight_map": dict(sorted(weight_map.items()))}, fsync=job.fsync)
+    _copy_other_files(src, staging, skip=set(job.plans) | {CONFIG_NAME, INDEX_NAME})
+
+
+def _verify(job: _Job, staging: Path) -> None:
+    assert job.ckpt is not None
+    if checkpoint_identity(job.ckpt.path) != job.identity:  # a shard checks only its own source; scales live in others
+        raise KtflowError(f"{job.ckpt.path} changed while it was being converted; nothing was published. Rerun the "
+                          "stage once the source is stable (what was made from the old version is discarded).")
+
+
+def _manifest(job: _Job) -> StageManifest:
+    assert job.ckpt is not None
+    return StageManifest(
+        stage=STAGE,
+        inputs=job.inputs,
+        settings={"source_format": job.info.format},
+        tools={"torch": torch.__version__},
+        extra={"source_path": str(job.ckpt.path.resolve()), "tensors_decoded": job.decoded, "bytes": job.total},
+    )
+
+
+def _result(job: _Job, manifest: StageManifest) -> DequantizeResult:
+    return DequantizeResult(path=job.target, source_format=job.info.format, reused_source=False, cached=False,
+                            shards=len(job.plans), tensors_decoded=job.decoded, bytes_written=job.total,
+                            seconds=job.seconds(), manifest_digest=manifest.digest())
+
+
+DEQUANTIZE: StageSpec[DequantizeRequest, _Job, DequantizeSizes, DequantizeResult] = StageSpec(
+    name=STAGE, prepare=_prepare, lookup=_lookup, measure=_measure, needs=dequantize_needs,
+    work=_work, verify=_verify, manifest=_manifest, result=_result,
+    # Complete shards of an interrupted attempt at the same source are kept. A corrupt source (e.g.
+    # NaN scales) found while decoding discards them: they come from a source that must be replaced.
+    resume=True, journal=_JOURNAL, discard_on=(CheckpointError,),
+)
+"""The dequantize stage, declared for :func:`~ktflow.runner.run_stage` (and a planner)."""
+
+
 def dequantize_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -447,7 +578,6 @@ def dequantize_checkpoint(
     workers: int | None = None,
     fsync: bool = True,
     progress: Progress | None = None,
-    _locked: bool = False,
 ) -> DequantizeResult:
     """Write a BF16 copy of an INT4 or FP8 checkpoint; reuse a BF16 source as it is.
 
@@ -469,104 +599,22 @@ def dequantize_checkpoint(
             staging for the rerun.
         KtflowError: a source shard changed during the run.
     """
-    started = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    info = inspect_checkpoint(src)  # validates config, index and every header before any work
-    if info.format == "bf16":
-        return DequantizeResult(path=src, source_format="bf16", reused_source=True, cached=False, shards=info.num_shards,
-                                tensors_decoded=0, bytes_written=0, seconds=time.perf_counter() - started,
-                                manifest_digest=None)
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise InvalidInputError(str(dst), "the output directory is the source or inside it", "choose another DST")
-    ckpt = _Checkpoint(src, info)
-    identity = checkpoint_identity(src)
-    inputs = {"source": identity_digest(identity)}
+    request = DequantizeRequest(src=Path(src), dst=Path(dst), workers=workers, fsync=fsync)
+    return run_stage(DEQUANTIZE, request, progress=progress)
 
-    existing = read_manifest(dst) if dst.is_dir() else None
-    if existing is not None and existing.stage == "dequantize" and existing.inputs == inputs:
-        return DequantizeResult(path=dst, source_format=info.format, reused_source=False, cached=True,
-                                shards=len(ckpt.shards()), tensors_decoded=0, bytes_written=0,
-                                seconds=time.perf_counter() - started, manifest_digest=existing.digest())
-    if dst.exists() and existing is None:
-        raise InvalidInputError(str(dst), "exists and is not a ktflow artifact", "choose a new DST or remove it")
-    if not _locked:  # one writer per DST: a concurrent run waits here, then finds it published
-        with artifact_lock(dst), storage_errors(dst):
-            return dequantize_checkpoint(src, dst, workers=workers, fsync=fsync, progress=progress, _locked=True)
 
-    # Every header, dtype, shape and companion checked before anything is written.
-    shards = ckpt.shards()
-    plans = {shard: _plan_shard(ckpt, shard) for shard in shards}
+class _Advance:
+    """``advance(n)``: count ``n`` more bytes done (from any worker thread) and report progress."""
 
-    staging = staging_dir_for(dst)
-    journal = staging / _JOURNAL
-    if staging.exists():
-        try:
-            same_source = json.loads(journal.read_text())["identity"] == identity
-        except (OSError, ValueError, KeyError):
-            same_source = False
-        if not same_source:  # started from another source (or never journaled): start over
-            shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
-    if not journal.exists():
-        atomic_write_json(journal, {"identity": identity}, fsync=fsync)
+    def __init__(self, total: int, report: Progress) -> None:
+        self.total, self.report, self.done = total, report, 0
+        self._lock = threading.Lock()
 
-    total = sum(t.nbytes for plan in plans.values() for t in plan)
-    done_bytes = 0
-    decoded = 0
-    weight_map: dict[str, str] = {}
-    n_workers = workers or _physical_cores()
-    lock = threading.Lock()
-
-    def advance(n: int) -> None:
-        nonlocal done_bytes
-        with lock:
-            done_bytes += n
-            current = done_bytes
-        if progress is not None:
-            progress(current, total)
-
-    jobs: list[_ShardJob] = []
-    for shard in shards:
-        plan = plans[shard]
-        for item in plan:
-            weight_map[item.name] = shard
-        decoded += sum(1 for t in plan if t.kind != "copy")
-        final = staging / shard
-        if final.exists() and _complete(final, plan):
-            advance(sum(t.nbytes for t in plan))  # finished by an earlier attempt
-        else:
-            jobs.append(_ShardJob(ckpt, shard, plan, final, fsync, identity))
-    others = sum(p.stat().st_size for p in src.rglob("*") if p.is_file() and p.name not in plans)
-    check_free_space(dst, sum(t.nbytes + 128 for job in jobs for t in job.plan) + others, what="the BF16 output",
-                     files=len(jobs) + 8)
-    try:
-        with _single_thread_torch():
-            _run_jobs(jobs, n_workers, advance)
-    except CheckpointError:
-        # A corrupt source (e.g. NaN scales) is found while decoding: the shards made so far come
-        # from a source that must be replaced (a new identity), so none of them can be resumed.
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-    config = _strip_quantization_config(json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")))
-    atomic_write_json(staging / CONFIG_NAME, config, fsync=fsync)
-    atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fsync=fsync)
-    _copy_other_files(src, staging, skip=set(shards) | {CONFIG_NAME, INDEX_NAME})
-    if checkpoint_identity(src) != identity:  # a shard checks only its own source; scales may live in others
-        raise KtflowError(f"{src} changed while it was being converted; nothing was published. Rerun the stage once "
-                          "the source is stable (what was made from the old version is discarded).")
-    journal.unlink()
-    manifest = StageManifest(
-        stage="dequantize",
-        inputs=inputs,
-        settings={"source_format": info.format},
-        tools={"torch": torch.__version__},
-        extra={"source_path": str(src.resolve()), "tensors_decoded": decoded, "bytes": total},
-    )
-    manifest = publish_dir(staging, dst, manifest, fsync=fsync)
-    return DequantizeResult(path=dst, source_format=info.format, reused_source=False, cached=False, shards=len(shards),
-                            tensors_decoded=decoded, bytes_written=total, seconds=time.perf_counter() - started,
-                            manifest_digest=manifest.digest())
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            current = self.done
+        self.report(current, self.total)
 
 
 def _physical_cores() -> int:
@@ -577,6 +625,8 @@ def _physical_cores() -> int:
 
 def _complete(path: Path, plan: list[_OutTensor]) -> bool:
     """A shard under its final name was renamed only when complete; check its header anyway."""
+    if not path.exists():
+        return False
     try:
         header = read_header(path)
     except CheckpointError:

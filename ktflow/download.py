@@ -38,8 +38,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import cache
+from dataclasses import dataclass, field
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,24 +59,31 @@ from pydantic import BaseModel, ConfigDict
 
 from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
 from ktflow.recipe import SourceConfig
-from ktflow.store import (
-    FileEntry,
-    StageManifest,
-    artifact_lock,
-    human_bytes,
-    publish_dir,
-    read_manifest,
-    staging_dir_for,
-    storage_errors,
+from ktflow.runner import (
+    DiskNeed,
+    Job,
+    Progress,
+    Resources,
+    StageSpec,
+    damaged_files,
+    find_published,
+    run_stage,
 )
+from ktflow.store import FileEntry, InsufficientDiskError, StageManifest, human_bytes
 
 __all__ = [
+    "DOWNLOAD_HUB",
+    "DOWNLOAD_LOCAL",
+    "DOWNLOAD_URI",
     "ChecksumMismatchError",
     "DownloadError",
+    "DownloadRequest",
     "DownloadResult",
+    "DownloadSizes",
     "InsufficientDiskError",
     "SourceAccessError",
     "download_checkpoint",
+    "download_needs",
     "resolve_revision",
 ]
 
@@ -107,7 +114,6 @@ _COPY_PART_SUFFIX = ".ktflow-part"
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 T = TypeVar("T")
-Progress = Callable[[int, int], None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,22 +145,6 @@ class SourceAccessError(InvalidInputError):
     """The source cannot be read as named: repo, revision or file not found, or no access."""
 
 
-class InsufficientDiskError(HostRequirementError):
-    """The store has less free space than the download still needs."""
-
-    def __init__(self, where: Path, need: int, free: int) -> None:
-        self.need = need
-        self.free = free
-        super().__init__(
-            subject=str(where),
-            reason=(
-                f"the download still needs {human_bytes(need)} ({need} bytes) but the filesystem has "
-                f"{human_bytes(free)} ({free} bytes) free"
-            ),
-            fix="free space there, or point store.root at a larger filesystem, or narrow source.allow_patterns.",
-        )
-
-
 class DownloadResult(BaseModel):
     """Where the checkpoint is and what it is.
 
@@ -177,14 +167,8 @@ class DownloadResult(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_revision(
-    repo_id: str,
-    revision: str,
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_retries: int = 5,
-) -> str:
+def resolve_revision(repo_id: str, revision: str, *, token: str | None = None, endpoint: str | None = None,
+                     max_retries: int = 5) -> str:
     """Resolve a branch, tag or (short) sha of a hub model repo to its full 40-hex commit sha.
 
     A full sha is passed through after the hub confirms it exists in the repo. Network errors
@@ -244,16 +228,74 @@ def download_checkpoint(
         SourceAccessError, CheckpointError, InsufficientDiskError: bad input (exit code 2).
         ChecksumMismatchError, DownloadError: the transfer failed (exit code 1).
     """
-    store_root = Path(store_root)
-    if source.repo_id is not None:
-        return _download_from_hub(
-            source, store_root, token=_resolve_token(token), endpoint=endpoint,
-            max_workers=max_workers, max_retries=max_retries, progress=progress,
-        )  # fmt: skip
-    if source.local_path is not None:
-        return _reference_local(source, store_root, max_workers=max_workers, progress=progress)
-    assert source.uri is not None  # SourceConfig guarantees exactly one location
-    return _download_from_uri(source, store_root, max_workers=max_workers, max_retries=max_retries, progress=progress)
+    spec = DOWNLOAD_HUB if source.repo_id is not None else DOWNLOAD_LOCAL if source.local_path is not None else DOWNLOAD_URI
+    request = DownloadRequest(source=source, store_root=Path(store_root), token=_resolve_token(token), endpoint=endpoint,
+                              max_workers=max_workers, max_retries=max_retries)
+    return run_stage(spec, request, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage: what every source shares
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DownloadRequest:
+    """The download stage's arguments (see :func:`download_checkpoint`). The token is left out of its repr."""
+
+    source: SourceConfig
+    store_root: Path
+    token: str | None = field(default=None, repr=False)
+    endpoint: str | None = None
+    max_workers: int = 8
+    max_retries: int = 5
+
+
+class DownloadSizes(BaseModel):
+    """What the download's disk need is a function of."""
+
+    bytes: int  # the selected files of the source
+    done_bytes: int = 0  # complete files an interrupted attempt left in staging
+    copied: bool = True  # False: a local source is referenced where it is, nothing is copied
+
+
+_DISK_FIX = "free space there, or point store.root at a larger filesystem, or narrow source.allow_patterns."
+
+
+def download_needs(request: DownloadRequest, sizes: DownloadSizes) -> Resources:
+    """Disk only, exactly what is still missing (a checkpoint's files are few and large)."""
+    if not sizes.copied:
+        return Resources()
+    return Resources(disk=(DiskNeed(bytes=sizes.bytes - sizes.done_bytes, overhead=1.0, what="the download still",
+                                    fix=_DISK_FIX),),
+                     artifact_bytes=sizes.bytes)
+
+
+@dataclass(kw_only=True)
+class _Job(Job[DownloadRequest]):
+    revision: str  # the commit sha, or local-<digest> / uri-<digest>
+    settings: dict[str, Any]
+    entries: list[FileEntry] = field(default_factory=list)  # the verified files, for the manifest
+
+
+def _lookup_copy(job: _Job) -> DownloadResult | None:
+    """A hub or URI download already published: its manifest, and every file at its size."""
+    hit = _cache_hit(job.target, job.settings)
+    return None if hit is None else _report_hit(hit, job)
+
+
+def _measure_copy(job: _HubJob | _UriJob, resumed: Path | None) -> DownloadSizes:
+    sizes = job.sizes()
+    done = sum(size for rel, size in sizes.items() if resumed is not None and _has_size(resumed / rel, size))
+    return DownloadSizes(bytes=sum(sizes.values()), done_bytes=done)
+
+
+def _published(job: _Job, manifest: StageManifest) -> DownloadResult:
+    total = sum(e.size for e in manifest.files)
+    job.report(total, total)
+    log.info("published %s (%d files, %s)", job.target, len(manifest.files), human_bytes(total))
+    return DownloadResult(path=job.target, revision=job.revision, files=len(manifest.files), bytes=total,
+                          manifest_digest=manifest.digest(), cached=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,112 +313,112 @@ class _HubFile:
     lfs_sha256: str | None
 
 
-def _download_from_hub(
-    source: SourceConfig,
-    store_root: Path,
-    *,
-    token: str | None,
-    endpoint: str | None,
-    max_workers: int,
-    max_retries: int,
-    progress: Progress | None,
-) -> DownloadResult:
-    repo_id = source.repo_id
+@dataclass(kw_only=True)
+class _HubJob(_Job):
+    repo_id: str
+    patterns: list[str] | None
+
+    @cached_property
+    def selected(self) -> list[_HubFile]:
+        """The commit's files the patterns select (one listing, on the first use only)."""
+        request, sha = self.request, self.revision
+        api = HfApi(endpoint=request.endpoint)
+        try:
+            listing = _with_retries(
+                lambda: _list_hub_files(api, self.repo_id, sha, request.token),
+                what=f"listing {self.repo_id}@{sha}", max_retries=request.max_retries, token=request.token,
+            )  # fmt: skip
+        except KtflowError:
+            raise
+        except Exception as exc:
+            raise _translate_error(exc, repo_id=self.repo_id, revision=sha, token=request.token,
+                                   max_retries=request.max_retries) from exc
+        # filter_repo_objects is what snapshot_download filters with: both select the same files.
+        selected = list(filter_repo_objects(listing, allow_patterns=self.patterns, key=lambda f: f.path))
+        if not selected:
+            raise _nothing_selected(self.repo_id, sha, self.patterns, len(listing))
+        return selected
+
+    def sizes(self) -> dict[str, int]:
+        return {f.path: f.size for f in self.selected}
+
+
+def _nothing_selected(repo_id: str, sha: str, patterns: list[str] | None, listed: int) -> SourceAccessError:
+    if patterns:
+        return SourceAccessError(
+            "source.allow_patterns", f"no file of {repo_id}@{sha} matches {patterns} ({listed} files in the repo)",
+            fix="fix the patterns (globs relative to the repo root, e.g. '*.safetensors', 'config.json').")
+    return SourceAccessError(f"source.repo_id: {repo_id}", f"{repo_id}@{sha} holds no files",
+                             fix="check the repo id and revision.")
+
+
+def _prepare_hub(request: DownloadRequest) -> _HubJob:
+    repo_id = request.source.repo_id
     assert repo_id is not None
     # Resolve first: everything below, the directory name included, is pinned to the sha.
-    sha = resolve_revision(repo_id, source.revision, token=token, endpoint=endpoint, max_retries=max_retries)
-    patterns = _normalize_patterns(source.allow_patterns)
-    final = store_root / WEIGHTS_DIR / _hub_dir_name(repo_id, sha, patterns)
-    settings = {"repo_id": repo_id, "revision": sha, "allow_patterns": patterns}
+    sha = resolve_revision(repo_id, request.source.revision, token=request.token, endpoint=request.endpoint,
+                           max_retries=request.max_retries)
+    patterns = _normalize_patterns(request.source.allow_patterns)
+    final = Path(request.store_root) / WEIGHTS_DIR / _hub_dir_name(repo_id, sha, patterns)
+    return _HubJob(request=request, target=final, revision=sha, repo_id=repo_id, patterns=patterns,
+                   settings={"repo_id": repo_id, "revision": sha, "allow_patterns": patterns})
 
-    hit = _cache_hit(final, settings)
-    if hit is not None:
-        return _report_hit(hit, final, sha, progress)
 
-    api = HfApi(endpoint=endpoint)
-    try:
-        listing = _with_retries(
-            lambda: _list_hub_files(api, repo_id, sha, token),
-            what=f"listing {repo_id}@{sha}", max_retries=max_retries, token=token,
-        )  # fmt: skip
-    except KtflowError:
-        raise
-    except Exception as exc:
-        raise _translate_error(exc, repo_id=repo_id, revision=sha, token=token, max_retries=max_retries) from exc
-    # filter_repo_objects is what snapshot_download filters with: both select the same files.
-    selected = list(filter_repo_objects(listing, allow_patterns=patterns, key=lambda f: f.path))
-    if not selected:
-        raise SourceAccessError(
-            "source.allow_patterns" if patterns else f"source.repo_id: {repo_id}",
-            f"no file of {repo_id}@{sha} matches {patterns} ({len(listing)} files in the repo)"
-            if patterns
-            else f"{repo_id}@{sha} holds no files",
-            fix="fix the patterns (globs relative to the repo root, e.g. '*.safetensors', 'config.json')."
-            if patterns
-            else "check the repo id and revision.",
-        )
+def _fetch_hub(job: _HubJob, staging: Path) -> None:
+    request, selected = job.request, job.selected
+    _remove_stale_incomplete(staging)
+    # Only complete files from an earlier attempt count as done (hf renames a file into place once
+    # all of it arrived); they are still hashed afterwards like the rest.
     total = sum(f.size for f in selected)
+    job.report(sum(f.size for f in selected if _has_size(staging / f.path, f.size)), total)
 
-    with artifact_lock(final), storage_errors(final, need=total):
-        hit = _cache_hit(final, settings)  # again: a run that held the lock may have published it
-        if hit is not None:
-            return _report_hit(hit, final, sha, progress)
-        staging = staging_dir_for(final)
-        staging.mkdir(parents=True, exist_ok=True)
-        _remove_stale_incomplete(staging)
-        # Only complete files from an earlier attempt count as done (hf renames a file into
-        # place once all of it arrived); they are still hashed below like the rest.
-        done = sum(f.size for f in selected if _has_size(staging / f.path, f.size))
-        _preflight_disk(staging, total - done)
-        if progress is not None:
-            progress(done, total)
+    def fetch() -> None:
+        snapshot_download(job.repo_id, revision=job.revision, local_dir=staging, allow_patterns=job.patterns,
+                          token=request.token, endpoint=request.endpoint, max_workers=request.max_workers)
+        # snapshot_download returns an existing non-empty local_dir, with only a warning, when
+        # the hub cannot be reached for the listing: a partial staging dir is not success.
+        missing = [f.path for f in selected if not (staging / f.path).is_file()]
+        if missing:
+            raise _IncompleteFetch(missing)
 
-        def fetch() -> None:
-            snapshot_download(
-                repo_id,
-                revision=sha,
-                local_dir=staging,
-                allow_patterns=patterns,
-                token=token,
-                endpoint=endpoint,
-                max_workers=max_workers,
-            )
-            # snapshot_download returns an existing non-empty local_dir, with only a warning, when
-            # the hub cannot be reached for the listing: a partial staging dir is not success.
-            missing = [f.path for f in selected if not (staging / f.path).is_file()]
-            if missing:
-                raise _IncompleteFetch(missing)
+    with _ProgressPoller(job.progress, [(staging / f.path, f.size) for f in selected], total):
+        try:
+            _with_retries(fetch, what=f"downloading {job.repo_id}@{job.revision}", max_retries=request.max_retries,
+                          token=request.token)
+        except KtflowError:
+            raise
+        except Exception as exc:
+            _reraise_storage_error(exc)
+            raise _translate_error(exc, repo_id=job.repo_id, revision=job.revision, token=request.token,
+                                   max_retries=request.max_retries) from exc
 
-        with _ProgressPoller(progress, [(staging / f.path, f.size) for f in selected], total):
-            try:
-                _with_retries(fetch, what=f"downloading {repo_id}@{sha}", max_retries=max_retries, token=token)
-            except KtflowError:
-                raise
-            except Exception as exc:
-                _reraise_storage_error(exc)
-                raise _translate_error(exc, repo_id=repo_id, revision=sha, token=token, max_retries=max_retries) from exc
 
-        entries = _verify_hub_files(staging, selected, max_workers=max_workers)
-        _finalize_staging(staging, {f.path for f in selected})
-        manifest = StageManifest(
-            stage=STAGE,
-            inputs={"source": f"hf://{repo_id}@{sha}"},
-            settings=settings,
-            tools={"huggingface_hub": huggingface_hub.__version__},
-            files=entries,
-            # The requested ref ("main") is deliberately not recorded: pinning the same commit by
-            # name or by sha must give the same manifest digest, or every downstream stage of a
-            # 600 GB model would recompute. The resolution is logged instead.
-            extra={"source": "hub", "repo_id": repo_id, "revision": sha, "total_bytes": total},
-        )
-        published = publish_dir(staging, final, manifest)
-        if progress is not None:
-            progress(total, total)
-        log.info("published %s (%d files, %s)", final, len(entries), human_bytes(total))
-        return DownloadResult(
-            path=final, revision=sha, files=len(entries), bytes=total,
-            manifest_digest=published.digest(), cached=False,
-        )  # fmt: skip
+def _verify_hub(job: _HubJob, staging: Path) -> None:
+    job.entries = _verify_hub_files(staging, job.selected, max_workers=job.request.max_workers)
+    _finalize_staging(staging, {f.path for f in job.selected})
+
+
+def _hub_manifest(job: _HubJob) -> StageManifest:
+    return StageManifest(
+        stage=STAGE,
+        inputs={"source": f"hf://{job.repo_id}@{job.revision}"},
+        settings=job.settings,
+        tools={"huggingface_hub": huggingface_hub.__version__},
+        files=job.entries,
+        # The requested ref ("main") is deliberately not recorded: pinning the same commit by
+        # name or by sha must give the same manifest digest, or every downstream stage of a
+        # 600 GB model would recompute. The resolution is logged instead.
+        extra={"source": "hub", "repo_id": job.repo_id, "revision": job.revision,
+               "total_bytes": sum(f.size for f in job.selected)},
+    )
+
+
+DOWNLOAD_HUB: StageSpec[DownloadRequest, _HubJob, DownloadSizes, DownloadResult] = StageSpec(
+    name=STAGE, prepare=_prepare_hub, lookup=_lookup_copy, measure=_measure_copy, needs=download_needs,
+    work=_fetch_hub, verify=_verify_hub, manifest=_hub_manifest, result=_published,
+    resume=True,  # the staging directory is named by the commit: finished files are kept
+)
+"""The download stage for a hub source (``source.repo_id``), declared for the runner."""
 
 
 def _list_hub_files(api: HfApi, repo_id: str, sha: str, token: str | None) -> list[_HubFile]:
@@ -450,12 +492,16 @@ class _IncompleteFetch(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def _reference_local(
-    source: SourceConfig, store_root: Path, *, max_workers: int, progress: Progress | None
-) -> DownloadResult:
-    """Record a local checkpoint's identity in a small reference artifact; copy nothing."""
-    assert source.local_path is not None
-    src = Path(source.local_path).expanduser().absolute()
+@dataclass(kw_only=True)
+class _LocalJob(_Job):
+    src: Path
+    identity: str
+    sizes: dict[str, int]
+    extra: dict[str, Any]
+
+
+def _local_files(source: SourceConfig, src: Path) -> list[str]:
+    """The checkpoint's files the patterns select, refusing a directory that is not a checkpoint."""
     if not src.is_dir():
         raise CheckpointError(
             str(src), "does not exist or is not a directory",
@@ -473,55 +519,71 @@ def _reference_local(
             "source.allow_patterns", f"no file of {src} matches {patterns}",
             fix="fix the patterns (globs relative to the checkpoint directory).",
         )  # fmt: skip
+    return rels
+
+
+def _prepare_local(request: DownloadRequest) -> _LocalJob:
+    """Identify a local checkpoint (sizes and sampled hashes); nothing is copied."""
+    assert request.source.local_path is not None
+    src = Path(request.source.local_path).expanduser().absolute()
+    rels = _local_files(request.source, src)
     stats = {rel: _size_mtime(src / rel) for rel in rels}
     sizes = {rel: st[0] for rel, st in stats.items()}
-    sampled = dict(zip(rels, _parallel(lambda rel: _sampled_hash(src / rel, sizes[rel]), rels, max_workers)))
+    sampled = dict(zip(rels, _parallel(lambda rel: _sampled_hash(src / rel, sizes[rel]), rels, request.max_workers)))
     changed = [rel for rel in rels if _size_mtime(src / rel) != stats[rel]]
     if changed:  # an identity half from the old files, half from the new ones would name neither
         raise DownloadError(f"{src}: {', '.join(changed[:5])} changed while the checkpoint was being identified; "
                             "nothing was published. Rerun once the source is stable.")
+    patterns = _normalize_patterns(request.source.allow_patterns)
     identity = _digest_json(
         {"allow_patterns": patterns, "sample_bytes": SAMPLE_BYTES, "files": [[r, sizes[r], sampled[r]] for r in rels]}
     )
     revision = f"local-{identity[:16]}"
-    total = sum(sizes.values())
-    final = store_root / WEIGHTS_DIR / revision
-    settings = {"identity": identity, "allow_patterns": patterns}
     extra: dict[str, Any] = {
         "source": "local",
         # The files listed in this manifest live here, not in the artifact's directory.
         "source_path": str(src),
         "sampled_hashes": sampled,
         "sample_bytes": SAMPLE_BYTES,
-        "total_bytes": total,
+        "total_bytes": sum(sizes.values()),
     }
+    return _LocalJob(request=request, target=Path(request.store_root) / WEIGHTS_DIR / revision, revision=revision,
+                     settings={"identity": identity, "allow_patterns": patterns}, src=src, identity=identity,
+                     sizes=sizes, extra=extra)
 
-    with artifact_lock(final), storage_errors(final):
-        existing = read_manifest(final)
-        # Same content at another path is republished so source_path always points at this copy.
-        if existing is not None and existing.settings == settings and existing.extra.get("source_path") == str(src):
-            if progress is not None:
-                progress(total, total)
-            return DownloadResult(
-                path=src, revision=revision, files=len(rels), bytes=total, manifest_digest=existing.digest(), cached=True
-            )
 
-        staging = staging_dir_for(final)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        manifest = StageManifest(
-            stage=STAGE,
-            inputs={"source": f"local://{identity}"},
-            settings=settings,
-            files=[FileEntry(path=r, size=sizes[r]) for r in rels],
-            extra=extra,
-        )
-        published = publish_dir(staging, final, manifest)
-        if progress is not None:
-            progress(total, total)
-        return DownloadResult(
-            path=src, revision=revision, files=len(rels), bytes=total, manifest_digest=published.digest(), cached=False
-        )
+def _local_result(job: _LocalJob, manifest: StageManifest, *, cached: bool) -> DownloadResult:
+    total = sum(job.sizes.values())
+    job.report(total, total)
+    return DownloadResult(path=job.src, revision=job.revision, files=len(job.sizes), bytes=total,
+                          manifest_digest=manifest.digest(), cached=cached)
+
+
+def _lookup_local(job: _LocalJob) -> DownloadResult | None:
+    existing = find_published(job.target, STAGE, settings=job.settings)
+    # Same content at another path is republished so source_path always points at this copy.
+    if existing is None or existing.extra.get("source_path") != str(job.src):
+        return None
+    return _local_result(job, existing, cached=True)
+
+
+def _local_manifest(job: _LocalJob) -> StageManifest:
+    return StageManifest(
+        stage=STAGE,
+        inputs={"source": f"local://{job.identity}"},
+        settings=job.settings,
+        files=[FileEntry(path=r, size=size) for r, size in job.sizes.items()],
+        extra=job.extra,
+    )
+
+
+DOWNLOAD_LOCAL: StageSpec[DownloadRequest, _LocalJob, DownloadSizes, DownloadResult] = StageSpec(
+    name=STAGE, prepare=_prepare_local, lookup=_lookup_local, needs=download_needs, manifest=_local_manifest,
+    measure=lambda job, resumed: DownloadSizes(bytes=sum(job.sizes.values()), copied=False),
+    work=lambda job, staging: None,  # a reference: the manifest is the whole artifact
+    result=lambda job, manifest: _local_result(job, manifest, cached=False),
+)
+"""The download stage for a local or NFS source (``source.local_path``): a reference artifact."""
 
 
 def _size_mtime(path: Path) -> tuple[int, int]:
@@ -570,13 +632,41 @@ def _walk_checkpoint(root: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _download_from_uri(
-    source: SourceConfig, store_root: Path, *, max_workers: int, max_retries: int, progress: Progress | None
-) -> DownloadResult:
-    """Copy a checkpoint directory from an fsspec URL into the store, verifying sizes."""
+@dataclass(kw_only=True)
+class _UriJob(_Job):
+    uri: str
+    fs: Any
+    root: str
+    rels: list[str]
+    listing: dict[str, tuple[int, str]]  # relative path -> (size, version token)
+    hashes: dict[str, str] = field(default_factory=dict)
+
+    def sizes(self) -> dict[str, int]:
+        return {r: self.listing[r][0] for r in self.rels}
+
+    def relist(self) -> dict[str, tuple[int, str]]:
+        """The source's listing now (``listing`` is the one the identity was made from)."""
+        return _list_source(self.fs, self.root, self.uri, self.request.max_retries, first=False)
+
+
+def _list_source(fs: Any, root: str, uri: str, max_retries: int, *, first: bool) -> dict[str, tuple[int, str]]:
+    try:
+        return _with_retries(lambda: _list_uri(fs, root), what=f"listing {uri}", max_retries=max_retries, token=None)
+    except FileNotFoundError as exc:
+        if first:
+            raise SourceAccessError("source.uri", f"{uri} does not exist", fix="fix the URL.") from exc
+        raise DownloadError(f"listing {uri} failed: {type(exc).__name__}: {exc}") from exc
+    except KtflowError:
+        raise
+    except Exception as exc:
+        raise DownloadError(f"listing {uri} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _prepare_uri(request: DownloadRequest) -> _UriJob:
+    """List the source (one listing: sizes and version tokens) and name the artifact by it."""
     import fsspec  # only this source needs it
 
-    uri = source.uri
+    uri = request.source.uri
     assert uri is not None
     try:
         fs, root = fsspec.core.url_to_fs(uri)
@@ -585,16 +675,8 @@ def _download_from_uri(
             "source.uri", f"cannot open {uri!r}: {exc}", fix="install the fsspec backend for this scheme, or fix the URL."
         ) from exc
     root = root.rstrip("/")
-    patterns = _normalize_patterns(source.allow_patterns)
-
-    try:
-        listing = _with_retries(lambda: _list_uri(fs, root), what=f"listing {uri}", max_retries=max_retries, token=None)
-    except FileNotFoundError as exc:
-        raise SourceAccessError("source.uri", f"{uri} does not exist", fix="fix the URL.") from exc
-    except KtflowError:
-        raise
-    except Exception as exc:
-        raise DownloadError(f"listing {uri} failed: {type(exc).__name__}: {exc}") from exc
+    patterns = _normalize_patterns(request.source.allow_patterns)
+    listing = _list_source(fs, root, uri, request.max_retries, first=True)
     rels = list(filter_repo_objects(sorted(listing), allow_patterns=patterns))
     rels = [r for r in rels if r.split("/", 1)[0] not in _NOT_CHECKPOINT_DIRS]
     if not rels:
@@ -604,83 +686,75 @@ def _download_from_uri(
         )  # fmt: skip
     # Identity before copying, from what the listing says (sizes + the backend's version token:
     # ETag, md5, generation or mtime), so a cache check costs one listing, not a copy.
-    identity = _digest_json(
-        {"uri": uri, "allow_patterns": patterns, "files": [[r, listing[r][0], listing[r][1]] for r in rels]}
-    )
-    final = store_root / WEIGHTS_DIR / f"uri-{identity[:16]}"
-    settings = {"uri": uri, "allow_patterns": patterns, "identity": identity}
-    total = sum(listing[r][0] for r in rels)
-    hit = _cache_hit(final, settings)
-    if hit is not None:
-        return _report_hit(hit, final, f"uri-{identity[:16]}", progress)
+    identity = _digest_json({"uri": uri, "allow_patterns": patterns, "files": [[r, *listing[r]] for r in rels]})
+    revision = f"uri-{identity[:16]}"
+    return _UriJob(request=request, target=Path(request.store_root) / WEIGHTS_DIR / revision, revision=revision,
+                   settings={"uri": uri, "allow_patterns": patterns, "identity": identity}, uri=uri, fs=fs, root=root,
+                   rels=rels, listing=listing)
 
-    with artifact_lock(final), storage_errors(final, need=total):
-        hit = _cache_hit(final, settings)  # again: a run that held the lock may have published it
-        if hit is not None:
-            return _report_hit(hit, final, f"uri-{identity[:16]}", progress)
-        staging = staging_dir_for(final)
-        staging.mkdir(parents=True, exist_ok=True)
-        done_files = {r for r in rels if _has_size(staging / r, listing[r][0])}
-        _preflight_disk(staging, sum(listing[r][0] for r in rels if r not in done_files))
 
-        lock = threading.Lock()
-        done = sum(listing[r][0] for r in done_files)
-        if progress is not None:
-            progress(done, total)
+def _copy_uri(job: _UriJob, staging: Path) -> None:
+    """Copy every selected file into staging (resuming partial copies), hashing as it goes."""
+    request, sizes = job.request, job.sizes()
+    done_files = {r for r in job.rels if _has_size(staging / r, sizes[r])}
+    lock, total = threading.Lock(), sum(sizes.values())
+    done = sum(sizes[r] for r in done_files)
+    job.report(done, total)
 
-        def fetch(rel: str) -> tuple[str, str]:
-            nonlocal done
-            size = listing[rel][0]
-            dest = staging / rel
-            if rel in done_files:
-                digest = _hash_file(dest, git_blob=False)[0]
-            else:
-                digest = _with_retries(
-                    lambda: _copy_resumable(fs, f"{root}/{rel}", dest, size),
-                    what=f"copying {uri}/{rel}", max_retries=max_retries, token=None,
-                )  # fmt: skip
-                with lock:
-                    done += size
-                    if progress is not None:
-                        progress(done, total)
-            return rel, digest
-
-        try:
-            hashes = dict(_parallel(fetch, rels, max_workers))
-        except KtflowError:
-            raise
-        except Exception as exc:
-            _reraise_storage_error(exc)
-            raise DownloadError(f"copying {uri} failed: {type(exc).__name__}: {exc}") from exc
-        try:  # the copies must all be of the listed versions: a file rewritten meanwhile would mix two
-            relisted = _with_retries(lambda: _list_uri(fs, root), what=f"listing {uri}", max_retries=max_retries,
-                                     token=None)
-        except KtflowError:
-            raise
-        except Exception as exc:
-            raise DownloadError(f"listing {uri} failed: {type(exc).__name__}: {exc}") from exc
-        changed = [r for r in rels if relisted.get(r) != listing[r]]
-        if changed:  # this staging dir belongs to a version that no longer exists: nothing to resume
-            shutil.rmtree(staging, ignore_errors=True)
-            raise DownloadError(f"{uri}: {', '.join(changed[:5])} changed while being copied; nothing was "
-                                "published. Rerun once the source is stable.")
-
-        _finalize_staging(staging, set(rels))
-        manifest = StageManifest(
-            stage=STAGE,
-            inputs={"source": f"{uri}#{identity}"},
-            settings=settings,
-            tools={"fsspec": fsspec.__version__},
-            files=[FileEntry(path=r, size=listing[r][0], sha256=hashes[r]) for r in rels],
-            extra={"source": "uri", "uri": uri, "total_bytes": total},
-        )
-        published = publish_dir(staging, final, manifest)
-        if progress is not None:
-            progress(total, total)
-        return DownloadResult(
-            path=final, revision=f"uri-{identity[:16]}", files=len(rels), bytes=total,
-            manifest_digest=published.digest(), cached=False,
+    def fetch(rel: str) -> tuple[str, str]:
+        nonlocal done
+        dest = staging / rel
+        if rel in done_files:
+            return rel, _hash_file(dest, git_blob=False)[0]
+        digest = _with_retries(
+            lambda: _copy_resumable(job.fs, f"{job.root}/{rel}", dest, sizes[rel]),
+            what=f"copying {job.uri}/{rel}", max_retries=request.max_retries, token=None,
         )  # fmt: skip
+        with lock:
+            done += sizes[rel]
+            job.report(done, total)
+        return rel, digest
+
+    try:
+        job.hashes = dict(_parallel(fetch, job.rels, request.max_workers))
+    except KtflowError:
+        raise
+    except Exception as exc:
+        _reraise_storage_error(exc)
+        raise DownloadError(f"copying {job.uri} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _verify_uri(job: _UriJob, staging: Path) -> None:
+    """The copies must all be of the listed versions: a file rewritten meanwhile would mix two."""
+    relisted = job.relist()
+    changed = [r for r in job.rels if relisted.get(r) != job.listing[r]]
+    if changed:  # this staging dir belongs to a version that no longer exists: nothing to resume
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DownloadError(f"{job.uri}: {', '.join(changed[:5])} changed while being copied; nothing was "
+                            "published. Rerun once the source is stable.")
+    _finalize_staging(staging, set(job.rels))
+
+
+def _uri_manifest(job: _UriJob) -> StageManifest:
+    import fsspec
+
+    sizes = job.sizes()
+    return StageManifest(
+        stage=STAGE,
+        inputs={"source": f"{job.uri}#{job.settings['identity']}"},
+        settings=job.settings,
+        tools={"fsspec": fsspec.__version__},
+        files=[FileEntry(path=r, size=sizes[r], sha256=job.hashes[r]) for r in job.rels],
+        extra={"source": "uri", "uri": job.uri, "total_bytes": sum(sizes.values())},
+    )
+
+
+DOWNLOAD_URI: StageSpec[DownloadRequest, _UriJob, DownloadSizes, DownloadResult] = StageSpec(
+    name=STAGE, prepare=_prepare_uri, lookup=_lookup_copy, measure=_measure_copy, needs=download_needs,
+    work=_copy_uri, verify=_verify_uri, manifest=_uri_manifest, result=_published,
+    resume=True,  # the staging directory is named by the listing's identity: finished files are kept
+)
+"""The download stage for an fsspec source (``source.uri``), declared for the runner."""
 
 
 # Listing fields that change when an object changes, by backend (s3, gcs, local, memory, ...).
@@ -763,28 +837,16 @@ def _has_size(path: Path, size: int) -> bool:
         return False
 
 
-def _free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem holding ``path`` (tests replace this)."""
-    return shutil.disk_usage(path).free
-
-
-def _preflight_disk(staging: Path, need: int) -> None:
-    """Refuse to start a transfer that cannot fit: better now than after 500 GB."""
-    free = _free_bytes(staging)
-    if need > free:
-        raise InsufficientDiskError(staging.parent, need, free)
-
-
 def _cache_hit(final: Path, settings: dict[str, Any]) -> StageManifest | None:
     """The published manifest if ``final`` holds this exact artifact, complete.
 
     A hit costs a manifest read and one stat per file: a large folder is never re-hashed
     on a cache check (the hashes were verified when it was published).
     """
-    manifest = read_manifest(final)
-    if manifest is None or manifest.stage != STAGE or manifest.settings != settings:
+    manifest = find_published(final, STAGE, settings=settings)
+    if manifest is None:
         return None
-    damaged = [e.path for e in manifest.files if not _has_size(final / e.path, e.size)]
+    damaged = damaged_files(final, manifest)
     if damaged:
         log.warning(
             "%s is published but %d file(s) are missing or resized (%s); fetching it again", final, len(damaged), damaged[:3]
@@ -793,13 +855,12 @@ def _cache_hit(final: Path, settings: dict[str, Any]) -> StageManifest | None:
     return manifest
 
 
-def _report_hit(manifest: StageManifest, final: Path, revision: str, progress: Progress | None) -> DownloadResult:
+def _report_hit(manifest: StageManifest, job: _Job) -> DownloadResult:
     total = sum(e.size for e in manifest.files)
-    if progress is not None:
-        progress(total, total)
-    log.info("cache hit: %s", final)
+    job.report(total, total)
+    log.info("cache hit: %s", job.target)
     return DownloadResult(
-        path=final, revision=revision, files=len(manifest.files), bytes=total,
+        path=job.target, revision=job.revision, files=len(manifest.files), bytes=total,
         manifest_digest=manifest.digest(), cached=True,
     )  # fmt: skip
 

@@ -35,11 +35,12 @@ for promotion unless ``evaluation.allow_contamination`` says so.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -425,16 +426,8 @@ class EvaluationResult(BaseModel):
 
 
 def evaluate_base_vs_tuned(
-    recipe: Recipe,
-    *,
-    model_dir: Path,
-    tuned_url: str,
-    tuned_model: str,
-    api_key: str,
-    out_dir: Path,
-    base_url: str | None = None,
-    base_model: str | None = None,
-    log: Callable[[str], None] | None = None,
+    recipe: Recipe, *, model_dir: Path, tuned_url: str, tuned_model: str, api_key: str, out_dir: Path,
+    base_url: str | None = None, base_model: str | None = None, log: Callable[[str], None] | None = None,
 ) -> EvaluationResult:
     """Evaluate the tuned endpoint against the base model and write the report into ``out_dir``.
 
@@ -457,8 +450,6 @@ def evaluate_base_vs_tuned(
         EvaluationError: requests failed.
         ServerStartError: the temporary base server did not start.
     """
-    from ktflow import serve as serving
-
     cfg = recipe.evaluation
     records = load_eval_records(cfg)
     contamination = check_contamination(recipe, records)
@@ -466,45 +457,51 @@ def evaluate_base_vs_tuned(
         log(contamination.summary() + (f": {contamination.named()}" if contamination.count else ""))
     out_dir = Path(out_dir).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
-    base_dir = out_dir / "base-endpoint"
-    started_here = base_url is None
-    try:
-        if started_here:
-            port = serving.free_port(recipe.serving.host)
-            if log:
-                log(f"starting a base-model server on port {port} for the comparison")
-            endpoint = serving.serve(recipe, model_dir=model_dir, adapter_dir=None, record_dir=base_dir,
-                                     api_key=api_key, port=port, log=log, die_with_parent=True)
-            base_url, base_model = endpoint.url, endpoint.model
-        base_model = base_model or recipe.serving.served_model_name
-        assert base_url is not None
+    with _base_endpoint(recipe, model_dir=model_dir, api_key=api_key, record_dir=out_dir / "base-endpoint",
+                        base_url=base_url, base_model=base_model, log=log) as (base_url, base_model):
         if log:
             log(f"evaluating {len(records)} records: base {base_model}, tuned {tuned_model}")
         base = evaluate_endpoint(base_url, api_key, base_model, cfg, records=records)
         tuned = evaluate_endpoint(tuned_url, api_key, tuned_model, cfg, records=records)
         prompts = [r.messages[-1]["content"] for r in records[:PROBE_PROMPTS]]
         applied, probes = adapter_is_applied(tuned_url, api_key, base_model, tuned_model, prompts, base_url=base_url)
-    finally:
-        if started_here:
-            serving.stop(base_dir)
-    table = compare_reports(base, tuned, style=cfg.style)
     # Promotion is always judged (never "promoted" while worse than the base, nor on prompts the
     # model was trained on); only a recipe that sets gate_metric makes a failed gate fail the run.
-    gate, enforced = cfg.gate, cfg.gate_metric is not None
     trusted = contamination.clean or cfg.allow_contamination
-    promoted = applied and trusted and promotion_gate(base, tuned, gate, min_gain=cfg.gate_min_gain)
-    report_json, report_md = out_dir / "report.json", out_dir / "report.md"
-    atomic_write_json(report_json, {"base": base.model_dump(mode="json"), "tuned": tuned.model_dump(mode="json"),
-                                    "adapter_applied": applied, "probes": probes, "gate_metric": gate,
-                                    "gate_enforced": enforced, "gate_min_gain": cfg.gate_min_gain,
-                                    "contamination": contamination.model_dump(mode="json"),
-                                    "allow_contamination": cfg.allow_contamination, "promoted": promoted})
-    result = EvaluationResult(base=base, tuned=tuned, table=table, adapter_applied=applied, probes=probes,
-                              gate_metric=gate, gate_enforced=enforced, gate_min_gain=cfg.gate_min_gain,
+    promoted = applied and trusted and promotion_gate(base, tuned, cfg.gate, min_gain=cfg.gate_min_gain)
+    result = EvaluationResult(base=base, tuned=tuned, table=compare_reports(base, tuned, style=cfg.style),
+                              adapter_applied=applied, probes=probes, gate_metric=cfg.gate,
+                              gate_enforced=cfg.gate_metric is not None, gate_min_gain=cfg.gate_min_gain,
                               contamination=contamination, allow_contamination=cfg.allow_contamination,
-                              promoted=promoted, report_json=report_json, report_md=report_md)
-    atomic_write_bytes(report_md, render_report_md(recipe, result).encode())
+                              promoted=promoted, report_json=out_dir / "report.json", report_md=out_dir / "report.md")
+    atomic_write_json(result.report_json, {
+        "base": base.model_dump(mode="json"), "tuned": tuned.model_dump(mode="json"), "adapter_applied": applied,
+        "probes": probes, "gate_metric": result.gate_metric, "gate_enforced": result.gate_enforced,
+        "gate_min_gain": cfg.gate_min_gain, "contamination": contamination.model_dump(mode="json"),
+        "allow_contamination": cfg.allow_contamination, "promoted": promoted})
+    atomic_write_bytes(result.report_md, render_report_md(recipe, result).encode())
     return result
+
+
+@contextlib.contextmanager
+def _base_endpoint(recipe: Recipe, *, model_dir: Path, api_key: str, record_dir: Path, base_url: str | None,
+                   base_model: str | None, log: Callable[[str], None] | None) -> Iterator[tuple[str, str]]:
+    """``(url, model)`` of the base model: ``base_url`` when given, else a temporary server on a free
+    port (same key, started with ``die_with_parent``), stopped on the way out."""
+    from ktflow import serve as serving
+
+    if base_url is not None:
+        yield base_url, base_model or recipe.serving.served_model_name
+        return
+    try:
+        port = serving.free_port(recipe.serving.host)
+        if log:
+            log(f"starting a base-model server on port {port} for the comparison")
+        endpoint = serving.serve(recipe, model_dir=model_dir, adapter_dir=None, record_dir=record_dir,
+                                 api_key=api_key, port=port, log=log, die_with_parent=True)
+        yield endpoint.url, endpoint.model or recipe.serving.served_model_name
+    finally:
+        serving.stop(record_dir)
 
 
 def render_report_md(recipe: Recipe, result: EvaluationResult) -> str:

@@ -11,7 +11,11 @@ ChatML template (see :data:`FixtureKind`):
   decoded quantized fixture can be compared with the ``bf16`` fixture of that seed;
 - ``deepseek-v2-lite``: a BF16 MoE with DeepSeek-V2-Lite's structure, tiny or (``full_size``) at
   its real dimensions (15.7B parameters, 31 GB), for benchmarks that need the real model's cost
-  without downloading it.
+  without downloading it;
+- ``kimi-k2.5`` at ``size="bigger-than-gpu"``: the tiny kimi-k2.5 layout at Kimi's widths with
+  57.1B parameters (114 GB in BF16, more than an 80 GB GPU holds; 34.4 GB as INT4), streamed one
+  layer per shard by :mod:`ktflow.fixture_stream` (its INT4 experts are drawn directly in
+  compressed-tensors' packed layout, which tests check against compressed-tensors itself).
 """
 
 from __future__ import annotations
@@ -33,10 +37,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from safetensors.torch import save_file
 
 from ktflow.errors import InvalidInputError
+from ktflow.fixture_stream import (
+    BIGGER_THAN_GPU,
+    MoeDims,
+    deepseek_v3_config,
+    given_tensors,
+    parameter_count,
+    plan_shards,
+    write_shards,
+)
 from ktflow.store import check_free_space
 
 FixtureKind = Literal["kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16", "deepseek-v2-lite"]
 FIXTURE_KINDS: tuple[str, ...] = get_args(FixtureKind)
+FixtureSize = Literal["tiny", "bigger-than-gpu"]
+FIXTURE_SIZES: tuple[str, ...] = get_args(FixtureSize)
+# The dimensions of each streamed size (every size but "tiny", whose dimensions are the spec's own).
+STREAMED_SIZES: dict[str, MoeDims] = {"bigger-than-gpu": BIGGER_THAN_GPU}
 
 INT4_GROUP_SIZE = 32
 FP8_BLOCK = 128
@@ -121,6 +138,10 @@ class FixtureSpec(BaseModel):
         False, description="deepseek-v2-lite only: DeepSeek-V2-Lite's real dimensions (27 layers, 64 routed + 2 "
         "shared experts, 6 active, hidden 2048, MoE intermediate 1408, MLA kv_lora_rank 512, vocab 102400; "
         "15.7B parameters, 31 GB) instead of layers/experts/hidden/moe_intermediate.")
+    size: FixtureSize = Field(
+        "tiny", description="kimi-k2.5 only: 'bigger-than-gpu' writes fixture_stream.BIGGER_THAN_GPU's dimensions "
+        "(Kimi's widths, 8 layers of 180 routed experts: 57.1B parameters, 114 GB in BF16, 34.4 GB on disk), "
+        "streamed one layer per shard, instead of layers/experts/hidden/moe_intermediate.")
 
     @field_validator("kind", mode="before")
     @classmethod
@@ -169,38 +190,71 @@ class FixtureSpec(BaseModel):
             raise InvalidInputError(f"--architecture {self.architecture} with {self.kind}",
                                     "only deepseek-v2-lite has a choice of architecture.",
                                     "drop --architecture, or use the deepseek-v2-lite kind.")
-        if not self.full_size:
-            return self
-        if self.kind != "deepseek-v2-lite":
+        if self.size != "tiny" and self.kind != "kimi-k2.5":
+            raise InvalidInputError(f"--size {self.size} with {self.kind}", f"only kimi-k2.5 has a {self.size} form.",
+                                    "drop --size, or use the kimi-k2.5 kind.")
+        if self.full_size and self.kind != "deepseek-v2-lite":
             raise InvalidInputError(f"--full-size with {self.kind}", "only deepseek-v2-lite has a full-size form.",
                                     "drop --full-size, or use the deepseek-v2-lite kind.")
+        if self.full_size:
+            self._refuse_tiny_dims("--full-size", "DeepSeek-V2-Lite's own dimensions")
+        elif self.size != "tiny":
+            self._refuse_tiny_dims(f"--size {self.size}", "its own dimensions (ktflow.fixture_stream.BIGGER_THAN_GPU)")
+        return self
+
+    def _refuse_tiny_dims(self, option: str, whose: str) -> None:
+        """A sized form has its own dimensions: refuse the tiny dimension options beside it."""
         tiny_dims = {name: getattr(self, name) for name in ("layers", "experts", "hidden", "moe_intermediate")
                      if getattr(self, name) != type(self).model_fields[name].default}
         if tiny_dims:
             options = ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in tiny_dims.items())
-            raise InvalidInputError(options, "--full-size uses DeepSeek-V2-Lite's own dimensions.",
-                                    f"drop {options}, or drop --full-size.")
-        return self
+            raise InvalidInputError(options, f"{option} uses {whose}.", f"drop {options}, or drop {option}.")
+
+    @property
+    def streamed(self) -> bool:
+        """Whether this checkpoint is written by :mod:`ktflow.fixture_stream` (too big for memory)."""
+        return self.size != "tiny"
+
+
+def tiny_dims(spec: FixtureSpec) -> MoeDims:
+    """The dimensions of a tiny fixture: the spec's sizes, 2 attention heads, MLA ranks of 128, top-2."""
+    return MoeDims(layers=spec.layers, experts=spec.experts, experts_per_tok=2, hidden=spec.hidden,
+                   moe_intermediate=spec.moe_intermediate, intermediate=3 * spec.moe_intermediate, heads=2,
+                   # every input dim is a multiple of 128; kv_a_proj_with_mqa has 128 + 32 = 160 and q_b_proj
+                   # 2 * (64 + 32) = 192 output rows, so FP8 gets partial edge blocks.
+                   q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+
+
+def fixture_dims(spec: FixtureSpec) -> MoeDims:
+    """The DeepSeek-V3-architecture dimensions ``spec`` describes (not deepseek-v2-lite's)."""
+    return STREAMED_SIZES[spec.size] if spec.streamed else tiny_dims(spec)
 
 
 ProgressCallback = Callable[[int, int], None]
 """``progress(done, total)``: shards written so far, of ``total``."""
 
 
-def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCallback | None = None) -> Path:
+def make_fixture(
+    spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCallback | None = None, dims: MoeDims | None = None,
+) -> Path:
     """Generate the checkpoint ``spec`` describes in ``out_dir`` and return ``out_dir``.
 
     Built in a temporary sibling directory and renamed into place at the end, so ``out_dir``
     is either complete or absent.
 
     Args:
-        progress: called after each shard is written (the full-size kind takes about a minute).
+        progress: called after each shard is written (the large sizes take a minute or more).
+        dims: a streamed size's dimensions instead of its own (a reduced rehearsal of the same
+            writer: tests, the GPU host's quick check); only with ``spec.streamed``.
 
     Raises:
         InvalidInputError: ``out_dir`` exists and is not an empty directory.
-        HostRequirementError: too little free disk for a full-size fixture.
+        HostRequirementError: too little free disk for a full-size or streamed fixture.
+        ValueError: ``dims`` with a tiny spec.
     """
     out_dir = Path(out_dir)
+    if dims is not None and not spec.streamed:
+        raise ValueError(f"dims are for the streamed sizes ({', '.join(STREAMED_SIZES)}), not size {spec.size}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise InvalidInputError(
             str(out_dir), "already exists and is not an empty directory; refusing to overwrite it.",
@@ -209,11 +263,17 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCa
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if spec.full_size:
         check_free_space(out_dir, _FULL_SIZE_BYTES, what="the full-size deepseek-v2-lite fixture", files=40)
+    if spec.streamed:
+        dims = dims or fixture_dims(spec)
+        check_free_space(out_dir, streamed_bytes(dims), what=f"the {spec.size} {spec.kind} fixture",
+                         files=dims.layers + 16)
     build_dir = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     build_dir.mkdir()
     try:
         if spec.kind == "deepseek-v2-lite":
             _build_deepseek_v2_lite(spec, build_dir, progress)
+        elif spec.streamed:
+            _build_streamed(spec, dims or fixture_dims(spec), build_dir, progress)
         else:
             _build(spec, build_dir)
         if out_dir.exists():
@@ -223,6 +283,20 @@ def make_fixture(spec: FixtureSpec, out_dir: str | Path, *, progress: ProgressCa
         shutil.rmtree(build_dir, ignore_errors=True)
         raise
     return out_dir
+
+
+def streamed_bytes(dims: MoeDims) -> int:
+    """Tensor bytes of a streamed kimi-k2.5 fixture (the tokenizer's vocabulary bounded by its
+    trainer's target), for the free-disk preflight: known before anything is generated."""
+    shards = plan_shards(dims, vocab_size=_TOKENIZER_VOCAB, pad_id=0)
+    vision = sum(p.numel() for p in _vision_modules(dims.hidden).values()) * 2  # BF16
+    return sum(t.nbytes for shard in shards for t in shard) + vision
+
+
+def streamed_parameters(dims: MoeDims, vocab_size: int = _TOKENIZER_VOCAB) -> int:
+    """Parameters of a streamed kimi-k2.5 fixture (vision stand-in included), from its plan alone."""
+    shards = plan_shards(dims, vocab_size=vocab_size, pad_id=0)
+    return parameter_count(shards) + sum(p.numel() for p in _vision_modules(dims.hidden).values())
 
 
 def _save_tokenizer(build_dir: Path) -> tuple[int, int, int]:
@@ -257,20 +331,8 @@ def _build(spec: FixtureSpec, build_dir: Path) -> None:
 
     if spec.kind == "kimi-k2.5":
         tensors = {f"language_model.{name}": t for name, t in tensors.items()}
-        tensors.update(_vision_tensors(spec))
-        text_config.pop("architectures", None)
-        text_config["quantization_config"] = quantization_config
-        config = {
-            "architectures": ["KimiK25ForConditionalGeneration"],
-            "auto_map": _AUTO_MAP["kimi-k2.5"],
-            "model_type": "kimi_k25",
-            "dtype": "bfloat16",
-            "tie_word_embeddings": False,
-            "eos_token_id": eos_id,
-            "pad_token_id": pad_id,
-            "text_config": text_config,
-            "vision_config": _vision_config(spec),
-        }
+        tensors.update(_vision_tensors(spec.hidden, spec.seed))
+        config = _kimi_k25_config(text_config, hidden=spec.hidden, eos_id=eos_id, pad_id=pad_id)
     else:
         config = dict(text_config)
         if spec.kind == "kimi-k2":
@@ -278,13 +340,69 @@ def _build(spec: FixtureSpec, build_dir: Path) -> None:
         if quantization_config is not None:
             config["quantization_config"] = quantization_config
 
+    _write_model_files(spec, build_dir, config, eos_id=eos_id, pad_id=pad_id)
+    _write_shards(tensors, build_dir, num_layers=spec.layers,
+                  split_companion=spec.kind in ("kimi-k2.5", "kimi-k2"))
+
+
+def _kimi_k25_config(text_config: dict, *, hidden: int, eos_id: int, pad_id: int) -> dict:
+    """Kimi-K2.5's config.json around a DeepSeek-V3 ``text_config``, which holds the INT4
+    ``quantization_config`` (nested, as the real checkpoint has it)."""
+    text_config = dict(text_config)
+    text_config.pop("architectures", None)
+    text_config["quantization_config"] = _int4_quantization_config(vision=True)
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": _AUTO_MAP["kimi-k2.5"],
+        "model_type": "kimi_k25",
+        "dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "text_config": text_config,
+        "vision_config": _vision_config(hidden),
+    }
+
+
+def _write_model_files(spec: FixtureSpec, build_dir: Path, config: dict, *, eos_id: int, pad_id: int) -> None:
+    """config.json, generation_config.json and the kind's remote code (the tokenizer is written first)."""
     _write_json(build_dir / "config.json", config)
     _write_json(build_dir / "generation_config.json",
                 {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False})
     for name in _REMOTE_CODE.get(spec.kind, ()):
         shutil.copyfile(CODE_DIR / name, build_dir / name)
-    _write_shards(tensors, build_dir, num_layers=spec.layers,
-                  split_companion=spec.kind in ("kimi-k2.5", "kimi-k2"))
+
+
+def streamed_config(dims: MoeDims, *, vocab_size: int, eos_id: int, pad_id: int, scratch: Path) -> dict:
+    """The config.json of a streamed kimi-k2.5 fixture: what the tiny one has, at ``dims``.
+
+    The text config is what ``save_pretrained`` of a BF16 ``DeepseekV3ForCausalLM`` writes,
+    without making the model (the config saves itself through ``scratch``, which is removed).
+    """
+    config = deepseek_v3_config(dims, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.dtype = torch.bfloat16
+    config.save_pretrained(scratch)
+    text_config = json.loads((scratch / "config.json").read_text())
+    shutil.rmtree(scratch)
+    return _kimi_k25_config(text_config, hidden=dims.hidden, eos_id=eos_id, pad_id=pad_id)
+
+
+def _build_streamed(spec: FixtureSpec, dims: MoeDims, build_dir: Path, progress: ProgressCallback | None) -> None:
+    """The kimi-k2.5 layout at ``dims``, one layer per shard, never more than a few tensor pieces per
+    worker in memory (:mod:`ktflow.fixture_stream`); the config is transformers' own for ``dims``."""
+    vocab_size, eos_id, pad_id = _save_tokenizer(build_dir)
+    config = streamed_config(dims, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, scratch=build_dir / ".scratch")
+    _write_model_files(spec, build_dir, config, eos_id=eos_id, pad_id=pad_id)
+
+    shards = plan_shards(dims, vocab_size=vocab_size, pad_id=pad_id, lm_head_std=spec.lm_head_std)
+    vision = _vision_tensors(dims.hidden, spec.seed)
+    shards[0] = sorted(shards[0] + given_tensors(vision), key=lambda t: t.name)  # with the embeddings, as the tiny one
+    weight_map = write_shards(shards, build_dir, seed=spec.seed, given=vision, progress=progress)
+    _write_json(build_dir / "model.safetensors.index.json", {
+        "metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},
+        "weight_map": dict(sorted(weight_map.items())),
+    })
 
 
 @functools.cache
@@ -319,36 +437,9 @@ def _bf16_model(
     tensors are read back from ``save_pretrained`` to get the real checkpoint names.
     """
     from safetensors.torch import load_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden,
-        intermediate_size=3 * spec.moe_intermediate,
-        moe_intermediate_size=spec.moe_intermediate,
-        num_hidden_layers=spec.layers,
-        first_k_dense_replace=1,
-        n_routed_experts=spec.experts,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        # MLA: every input dim is a multiple of 128; kv_a_proj_with_mqa has 128 + 32 = 160 and
-        # q_b_proj 2 * (64 + 32) = 192 output rows, so FP8 gets partial edge blocks.
-        q_lora_rank=128,
-        kv_lora_rank=128,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        num_nextn_predict_layers=0,  # no MTP layer is written
-        max_position_embeddings=4096,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=False,
-    )
+    config = deepseek_v3_config(tiny_dims(spec), vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = DeepseekV3ForCausalLM(config)
@@ -548,26 +639,29 @@ def _quantize_linears_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def _vision_config(spec: FixtureSpec) -> dict:
+def _vision_config(hidden: int) -> dict:
     return {"model_type": "kimi_k25_vision", "patch_size": 14, "in_channels": 3, "hidden_size": 64,
-            "text_hidden_size": spec.hidden}
+            "text_hidden_size": hidden}
 
 
-def _vision_tensors(spec: FixtureSpec) -> dict[str, torch.Tensor]:
-    """BF16 weights of the vision stand-in modules the shipped remote code defines."""
+def _vision_modules(hidden: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """The vision stand-in's parameters by checkpoint name: seeded, or (``seed`` None) on the meta
+    device, for counting without allocating."""
     from ktflow._fixture_code.configuration_kimi_k25 import KimiK25VisionConfig
     from ktflow._fixture_code.modeling_kimi_k25 import KimiK25MultiModalProjector, KimiK25VisionTower
 
-    vision_config = KimiK25VisionConfig(**_vision_config(spec))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed + 1)  # independent of the text weights
+    vision_config = KimiK25VisionConfig(**_vision_config(hidden))
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if seed is None else "cpu"):
+        torch.manual_seed(0 if seed is None else seed + 1)  # independent of the text weights
         modules = {"vision_tower": KimiK25VisionTower(vision_config),
                    "mm_projector": KimiK25MultiModalProjector(vision_config)}
-    return {
-        f"{prefix}.{name}": t.detach().to(torch.bfloat16).contiguous()
-        for prefix, module in modules.items()
-        for name, t in module.state_dict().items()
-    }
+    return {f"{prefix}.{name}": t.detach() for prefix, module in modules.items()
+            for name, t in module.state_dict().items()}
+
+
+def _vision_tensors(hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """BF16 weights of the vision stand-in modules the shipped remote code defines."""
+    return {name: t.to(torch.bfloat16).contiguous() for name, t in _vision_modules(hidden, seed).items()}
 
 
 def _int4_quantization_config(*, vision: bool) -> dict:

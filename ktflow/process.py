@@ -238,71 +238,20 @@ def run_tool(
         ToolError: the tool exited non-zero.
         ToolTimeout: the time limit passed.
     """
-    tail: deque[str] = deque(maxlen=50)
     run_id = uuid.uuid4().hex
     child_env = {**(dict(env) if env is not None else os.environ), TOOL_MARKER: run_id}
-    log = open(log_path, "a", encoding="utf-8", errors="replace") if log_path else None
+    output = _ToolOutput(log_path, on_line)
     guardian = Guardian(TOOL_MARKER, run_id)
     try:
-        proc = subprocess.Popen(
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            cwd=cwd,
-            bufsize=0,
-            preexec_fn=_die_with_parent,
-        )
-    except OSError as exc:
+        proc = _popen_tool(argv, child_env, cwd)
+    except KtflowError:
         guardian.disarm()
-        if log:
-            log.close()
-        raise KtflowError(f"cannot start {argv[0]}: {exc.strerror}") from None
-
-    timed_out = threading.Event()
-    timer = None
-    if timeout_s is not None:
-        def expire() -> None:
-            timed_out.set()
-            terminate_tree(proc.pid, grace_s)
-
-        timer = threading.Timer(timeout_s, expire)
-        timer.daemon = True
-        timer.start()
-    lines: queue.Queue[bytes | None] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:  # bytes, split on \n only (text mode would split on \r too)
-            lines.put(raw)
-        lines.put(None)
-
-    reader = threading.Thread(target=read, name="tool-output", daemon=True)
-    reader.start()
+        output.close()
+        raise
+    timer, timed_out = _deadline(proc, timeout_s, grace_s)
+    lines, reader = _read_lines(proc)
     try:
-        exited_at: float | None = None
-        while True:
-            try:
-                raw = lines.get(timeout=0.2)
-            except queue.Empty:
-                # A daemon the tool left behind may hold the pipe open after the tool exited:
-                # stop waiting for end-of-output shortly after the exit.
-                if proc.poll() is not None:
-                    exited_at = exited_at or time.monotonic()
-                    if time.monotonic() - exited_at > DRAIN_S:
-                        break
-                continue
-            if raw is None:
-                break
-            # tqdm redraws with carriage returns: keep the last state of each line.
-            line = raw.decode("utf-8", "replace").rstrip("\n").rsplit("\r", 1)[-1]
-            tail.append(line)
-            if log:
-                log.write(line + "\n")
-                log.flush()
-            if on_line:
-                on_line(line)
+        _pump(proc, lines, output.emit)
         returncode = proc.wait()
     except BaseException:
         terminate_tree(proc.pid, grace_s)
@@ -315,13 +264,102 @@ def run_tool(
         reap_marked(run_id)
         guardian.disarm()  # nothing of the run is left to guard
         reader.join(timeout=5)
-        if log:
-            log.close()
+        output.close()
     if timed_out.is_set():
         raise ToolTimeout(f"{Path(argv[0]).name} ran past its limit of {timeout_s:g} s and was stopped, with every "
                           f"process it started" + (f" (log: {log_path})" if log_path else ""))
     if returncode != 0:
-        raise ToolError(argv, returncode, list(tail), log_path)
+        raise ToolError(argv, returncode, list(output.tail), log_path)
+
+
+def _popen_tool(argv: Sequence[str], env: dict[str, str], cwd: Path | None) -> subprocess.Popen:
+    try:
+        return subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            bufsize=0,
+            preexec_fn=_die_with_parent,
+        )
+    except OSError as exc:
+        raise KtflowError(f"cannot start {argv[0]}: {exc.strerror}") from None
+
+
+def _deadline(proc: subprocess.Popen, timeout_s: float | None,
+              grace_s: float) -> tuple[threading.Timer | None, threading.Event]:
+    """A timer that stops the tool's tree after ``timeout_s`` (None: never), and the event it sets."""
+    timed_out = threading.Event()
+    if timeout_s is None:
+        return None, timed_out
+
+    def expire() -> None:
+        timed_out.set()
+        terminate_tree(proc.pid, grace_s)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    return timer, timed_out
+
+
+def _read_lines(proc: subprocess.Popen) -> tuple[queue.Queue[bytes | None], threading.Thread]:
+    """A thread putting the tool's output lines on a queue, then None at end of output."""
+    lines: queue.Queue[bytes | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:  # bytes, split on \n only (text mode would split on \r too)
+            lines.put(raw)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, name="tool-output", daemon=True)
+    reader.start()
+    return lines, reader
+
+
+def _pump(proc: subprocess.Popen, lines: queue.Queue[bytes | None], emit: Callable[[bytes], None]) -> None:
+    """Hand each output line to ``emit`` until the output ends (or shortly after the tool exited)."""
+    exited_at: float | None = None
+    while True:
+        try:
+            raw = lines.get(timeout=0.2)
+        except queue.Empty:
+            # A daemon the tool left behind may hold the pipe open after the tool exited:
+            # stop waiting for end-of-output shortly after the exit.
+            if proc.poll() is not None:
+                exited_at = exited_at or time.monotonic()
+                if time.monotonic() - exited_at > DRAIN_S:
+                    return
+            continue
+        if raw is None:
+            return
+        emit(raw)
+
+
+class _ToolOutput:
+    """Where a tool's output lines go: a tail for the error message, the log file, ``on_line``."""
+
+    def __init__(self, log_path: Path | None, on_line: Callable[[str], None] | None) -> None:
+        self.tail: deque[str] = deque(maxlen=50)
+        self.on_line = on_line
+        self.log = open(log_path, "a", encoding="utf-8", errors="replace") if log_path else None
+
+    def emit(self, raw: bytes) -> None:
+        # tqdm redraws with carriage returns: keep the last state of each line.
+        line = raw.decode("utf-8", "replace").rstrip("\n").rsplit("\r", 1)[-1]
+        self.tail.append(line)
+        if self.log:
+            self.log.write(line + "\n")
+            self.log.flush()
+        if self.on_line:
+            self.on_line(line)
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
 
 
 TOOL_MARKER = "KTFLOW_TOOL_RUN"

@@ -24,7 +24,14 @@ cpu_save=True, threadpool_count=T)`` + ``load_weights_from_tensors`` per layer. 
   so a kill costs at most the layer in progress, and a rerun reuses the complete layers (after a
   header check) and redoes the partial one; the index, non-expert shard, copied files and the
   manifest come last, then the staging directory is renamed to ``out_dir``;
-- verification through kt-kernel's own inference path (see :func:`quantize_int8`);
+- verification through kt-kernel's own inference path: for ``verify_layers`` MoE layers spread
+  over the model, the written shards are loaded back through kt-kernel's AMXINT8 inference path (a
+  wrapper without ``cpu_save``, reading the layout as sglang-kt does) and its MoE forward on 16
+  random tokens (fixed seed, random top-k routing and weights) is compared with a float64 torch
+  MoE of the BF16 weights (``down(silu(gate x) * up x)``, weighted over the selected experts).
+  ``mean|out - ref| / mean|ref|`` per layer goes into the manifest; above ``max_rel_err`` the stage
+  fails and nothing is published. Per-channel INT8 of weights (plus kt-kernel's per-token INT8
+  activations) gives ~1-3%; kt-kernel's own MoE test accepts < 0.05, the default bound;
 - bounded memory: BF16 experts are read straight into kt-kernel's input buffers and the quantized
   slices streamed from scratch into the shard (the reference stacks a second copy of each layer,
   keeps every input shard mmapped and builds each output shard in memory); and since kt-kernel
@@ -44,30 +51,38 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from ktflow._drivers import kt_int8 as driver
-from ktflow.checkpoint import CONFIG_NAME, INDEX_NAME, checkpoint_identity, identity_digest, inspect_checkpoint, read_weight_map
-from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.hardware import probe_host
-from ktflow.stages import INT8_KERNELS, check_requirement
-from ktflow.process import ToolError, run_tool
-from ktflow.safetensors_io import SafetensorsHeader, read_header
-from ktflow.store import (
-    StageManifest,
-    artifact_lock,
-    atomic_write_bytes,
-    atomic_write_json,
-    publish_dir,
-    read_manifest,
-    staging_dir_for,
-    storage_errors,
+from ktflow.checkpoint import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    CheckpointInfo,
+    checkpoint_identity,
+    identity_digest,
+    inspect_checkpoint,
+    read_weight_map,
 )
+from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
+from ktflow.process import ToolError, run_tool
+from ktflow.runner import (
+    INT8_KERNELS,
+    DiskNeed,
+    Job,
+    Progress,
+    RamNeed,
+    Resources,
+    StageSpec,
+    find_published,
+    run_stage,
+)
+from ktflow.safetensors_io import SafetensorsHeader, read_header
+from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
 
 STAGE = "quantize-int8"
 KT_METHOD = driver.KT_METHOD
@@ -81,8 +96,6 @@ _HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk chec
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _GiB = 1 << 30
 _DRIVER_BASE_BYTES = 1 * _GiB  # python + torch (CUDA build) + kt-kernel imported: ~0.6 GB, with margin
-
-Progress = Callable[[int, int], None]
 
 
 class QuantizeInt8Result(BaseModel):
@@ -250,14 +263,286 @@ def _toolchain_versions(python: Path) -> dict[str, str]:
         return {}
 
 
-def _existing_dir(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 # --------------------------------------------------------------------------- the stage
+
+
+@dataclass(frozen=True)
+class QuantizeInt8Request:
+    """The quantize-int8 stage's arguments (see :func:`quantize_int8`)."""
+
+    bf16_dir: Path
+    out_dir: Path
+    threadpool_count: int
+    serve_python: Path
+    workers: int | None = None
+    verify_layers: int = 2
+    max_rel_err: float = 0.05
+    fsync: bool = True
+    scratch_dir: Path | None = None
+    layers_per_process: int | None = None
+
+
+class QuantizeInt8Sizes(BaseModel):
+    """What quantize-int8's RAM, scratch and disk needs are a function of (the model's MoE shape)."""
+
+    experts: int  # routed experts per MoE layer
+    hidden: int
+    moe_intermediate: int
+    layers: int  # MoE layers
+    non_expert_bytes: int  # the tensors copied into the non-expert shard
+    non_expert_tensors: int
+    copied_bytes: int  # config and tokenizer files
+    done_bytes: int = 0  # layer shards an interrupted attempt finished
+
+
+def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) -> Resources:
+    """kt-kernel's INT8 kernels; RAM and scratch for one layer at a time; disk for the output.
+
+    kt-kernel holds one layer's BF16 experts and its INT8 (plus the same again when its scratch is
+    a tmpfs, whose pages are RAM) beside ~1 GiB of python, torch and kt-kernel.
+    """
+    t = request.threadpool_count
+    bf16_layer, int8_layer = _layer_bytes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t)
+    _, shm, on_tmpfs = _scratch(request)
+    ram_need = bf16_layer + int8_layer * (2 if on_tmpfs else 1)
+    out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
+                 + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
+    ram_why = (f"{bf16_layer / _GiB:.2f} GiB BF16 experts + {int8_layer / _GiB:.2f} GiB INT8"
+               f"{' + the same in ' + str(shm) if on_tmpfs else ''} + ~1 GiB for python, torch and kt-kernel")
+    return Resources(
+        host=INT8_KERNELS,
+        ram=RamNeed(bytes=int((ram_need + _DRIVER_BASE_BYTES) * 1.1), what="one MoE layer", why=ram_why),
+        disk=(DiskNeed(bytes=int8_layer, overhead=1.05, at=shm, what="kt-kernel's scratch for one layer",
+                       fix="pass scratch_dir= a roomier directory"),
+              DiskNeed(bytes=out_total - sizes.done_bytes, overhead=1.02, what="the output")),
+        artifact_bytes=out_total,
+    )
+
+
+def _scratch(request: QuantizeInt8Request) -> tuple[Path, Path, bool]:
+    """Where kt-kernel's per-layer scratch goes, its nearest existing directory, and whether it is RAM."""
+    root = Path(request.scratch_dir).absolute() if request.scratch_dir is not None else Path("/dev/shm")
+    if request.scratch_dir is None and not root.is_dir():
+        root = Path(request.out_dir).absolute().parent  # no tmpfs: kt-kernel's scratch files go beside the output
+    shm = existing_ancestor(root)
+    return root, shm, shm == Path("/dev/shm") or Path("/dev/shm") in shm.parents  # tmpfs pages are RAM
+
+
+@dataclass(kw_only=True)
+class _Job(Job[QuantizeInt8Request]):
+    bf16_dir: Path
+    info: CheckpointInfo
+    layout: _Layout
+    top_k: int
+    serve_python: Path
+    identity: dict[str, Any]
+    inputs: dict[str, str]
+    settings: dict[str, Any]
+    events: dict[str, Any] = field(default_factory=lambda: {"layer": [], "verify": [], "processes": 0})
+    finished: set[int] = field(default_factory=set)  # MoE layers done (now or by an earlier attempt)
+    quantized: set[int] = field(default_factory=set)  # MoE layers this run quantized
+
+
+def _check_arguments(request: QuantizeInt8Request) -> None:
+    if type(request.verify_layers) is not int or request.verify_layers < 0:
+        raise InvalidInputError(f"verify_layers {request.verify_layers}", "must be a non-negative integer.")
+    if not request.max_rel_err > 0:
+        raise InvalidInputError(f"max_rel_err {request.max_rel_err}",
+                                "must be a positive number (kt-kernel's test uses 0.05).")
+    workers, per_process = request.workers, request.layers_per_process
+    if workers is not None and (type(workers) is not int or workers < 1):
+        raise InvalidInputError(f"--workers {workers}", "must be a positive integer.")
+    if per_process is not None and (type(per_process) is not int or per_process < 1):
+        raise InvalidInputError(f"layers_per_process {per_process}", "must be a positive integer.")
+
+
+def _inspect_source(bf16_dir: Path, out_dir: Path, t: int) -> CheckpointInfo:
+    """The BF16 checkpoint's description, refusing what kt-kernel's INT8 path cannot take."""
+    info = inspect_checkpoint(bf16_dir)
+    if info.format != "bf16":
+        raise InvalidInputError(
+            str(bf16_dir),
+            f"is a {info.format} checkpoint; quantize-int8 takes BF16 experts (kt-kernel's converter has no INT4 "
+            "input, and its FP8 input needs a CUDA GPU).",
+            f"convert it to BF16 first with the dequantize stage (`ktflow dequantize {bf16_dir} BF16_DIR`), then "
+            "quantize BF16_DIR; or run the whole pipeline with `ktflow run`, which chains them.",
+        )
+    if out_dir == bf16_dir or bf16_dir in out_dir.parents:
+        raise InvalidInputError(str(out_dir), "the output directory is the source or inside it.", "choose another OUT_DIR")
+    check_int8_alignment(info.hidden_size, info.moe_intermediate_size, t)
+    return info
+
+
+def _serving_toolchain(serve_python: Path) -> dict[str, str]:
+    """The serving toolchain's package versions; it must have kt-kernel."""
+    if not serve_python.is_file():
+        raise HostRequirementError(f"serve_python: {serve_python}", "does not exist.",
+                                   "run `make serve-env`, or pass the python of the environment that has kt-kernel 0.7.2")
+    versions = _toolchain_versions(serve_python)
+    if "kt-kernel" not in versions:
+        raise HostRequirementError(f"serve_python: {serve_python}", "has no kt-kernel installed.",
+                                   "run `make serve-env` (kt-kernel 0.7.2, torch 2.9.1)")
+    return versions
+
+
+def _prepare(request: QuantizeInt8Request) -> _Job:
+    bf16_dir, out_dir = Path(request.bf16_dir).absolute(), Path(request.out_dir).absolute()
+    t = request.threadpool_count
+    info = _inspect_source(bf16_dir, out_dir, t)
+    _check_arguments(request)
+    if info.num_routed_experts < 2:
+        raise CheckpointError(str(bf16_dir / CONFIG_NAME), f"n_routed_experts is {info.num_routed_experts}; "
+                                                          "quantize-int8 needs a MoE model.")
+    config = json.loads((bf16_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    top_k = max(1, min(int(text_cfg.get("num_experts_per_tok", 2)), info.num_routed_experts))
+    layout = _Layout(bf16_dir, info.num_layers, info.num_routed_experts, info.hidden_size, info.moe_intermediate_size)
+    serve_python = Path(request.serve_python).absolute()  # not resolved: a venv's python is a symlink to the base
+    versions = _serving_toolchain(serve_python)
+    identity = checkpoint_identity(bf16_dir)
+    settings = {"method": KT_METHOD, "threadpool_count": t, "kt_kernel": versions["kt-kernel"]}
+    return _Job(request=request, target=out_dir, bf16_dir=bf16_dir, info=info, layout=layout, top_k=top_k,
+                serve_python=serve_python, identity=identity, inputs={"source": identity_digest(identity)},
+                settings=settings, journal={"identity": identity, "settings": settings}, fsync=request.fsync)
+
+
+def _lookup(job: _Job) -> QuantizeInt8Result | None:
+    existing = find_published(job.target, STAGE, inputs=job.inputs, settings=job.settings)
+    if existing is None:
+        return None
+    verification = existing.extra.get("verification", {})
+    bound = job.request.max_rel_err
+    worst = {k: v["mean_rel_err"] for k, v in verification.items() if not v["mean_rel_err"] <= bound}
+    if worst:
+        raise KtflowError(f"{job.target}: the published INT8 weights were verified at mean relative error "
+                          f"{worst} (layer: error), above max_rel_err {bound}")
+    layers = len(existing.extra.get("layers", []))
+    return QuantizeInt8Result(path=job.target, cached=True, layers=layers, layers_reused=layers,
+                              threadpool_count=job.request.threadpool_count, seconds=job.seconds(),
+                              verification=verification, manifest_digest=existing.digest())
+
+
+def _measure(job: _Job, resumed: Path | None) -> QuantizeInt8Sizes:
+    info, layout = job.info, job.layout
+    return QuantizeInt8Sizes(
+        experts=info.num_routed_experts, hidden=info.hidden_size, moe_intermediate=info.moe_intermediate_size,
+        layers=len(layout.layers), non_expert_bytes=layout.non_expert_bytes, non_expert_tensors=len(layout.non_expert),
+        copied_bytes=sum((job.bf16_dir / n).stat().st_size for n in COPIED_FILES if (job.bf16_dir / n).is_file()),
+        done_bytes=sum(p.stat().st_size for p in resumed.glob("model-*.safetensors")) if resumed else 0,
+    )
+
+
+def _driver_plan(job: _Job) -> dict[str, Any]:
+    """What the driver in the serving toolchain does: every layer, the checks, the non-expert shard."""
+    request, info, layout, host = job.request, job.info, job.layout, job.host
+    assert host is not None  # the preflight probed it (the stage needs the INT8 kernels)
+    t = request.threadpool_count
+    scratch_root, _, on_tmpfs = _scratch(request)
+    layers_per_process = request.layers_per_process
+    if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
+        bf16_layer, int8_layer = _layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t)
+        room = host.ram_available_bytes * 0.8 - (bf16_layer + int8_layer * (2 if on_tmpfs else 1)) - _DRIVER_BASE_BYTES
+        layers_per_process = max(1, int(room // max(int8_layer, 1)))
+    return {
+        "source": str(job.bf16_dir), "experts": info.num_routed_experts, "top_k": job.top_k,
+        "hidden": info.hidden_size, "moe_intermediate": info.moe_intermediate_size, "threadpool_count": t,
+        "threads": max(request.workers or host.physical_cores, t), "scratch_dir": str(scratch_root),
+        "fsync": request.fsync, "max_rel_err": request.max_rel_err, "wrappers_per_process": layers_per_process,
+        "layers": layout.layers, "non_expert": {"shard": layout.non_expert_shard,
+                                                "tensors": [list(x) for x in layout.non_expert]},
+        "verify": {"layers": _sample_layers(layout.moe_layers, request.verify_layers), "tokens": VERIFY_TOKENS,
+                   "seed": VERIFY_SEED},
+    }
+
+
+def _work(job: _Job, staging: Path) -> None:
+    plan, plan_path = _driver_plan(job), staging / driver.PLAN_NAME
+    verify, events = plan["verify"]["layers"], job.events
+
+    def on_layer(event: dict[str, Any]) -> None:
+        if event["status"] == "done":
+            job.quantized.add(event["layer"])
+        if event["layer"] not in job.finished:
+            job.finished.add(event["layer"])
+            job.report(len(job.finished), len(job.layout.layers))
+
+    while True:  # one driver process per budget of wrappers; each skips what the previous ones finished
+        verified = {v["layer"] for v in events["verify"]}
+        plan["verify"]["layers"] = [layer for layer in verify if layer not in verified]
+        atomic_write_json(plan_path, plan, fsync=False)
+        before = (len(job.quantized), len(events["verify"]))
+        if not _run_driver(job.serve_python, plan_path, staging / _LOG, events, on_layer):
+            break
+        if before == (len(job.quantized), len(events["verify"])):
+            raise KtflowError(f"{STAGE}: the kt-kernel driver restarted without progress (see {staging / _LOG})")
+    _write_index(job, staging)
+    for name in COPIED_FILES:
+        if (job.bf16_dir / name).is_file():
+            shutil.copy2(job.bf16_dir / name, staging / name)
+
+
+def _write_index(job: _Job, staging: Path) -> None:
+    """The index, byte for byte what convert_cpu_weights.py writes: json.dump(indent=2), no trailing newline."""
+    weight_map: dict[str, str] = {}
+    for entry in job.layout.layers:
+        for name in driver.layer_index_names(entry["layer"], job.info.num_routed_experts, job.request.threadpool_count):
+            weight_map[name] = entry["shard"]
+    for out_name, _, _ in job.layout.non_expert:
+        weight_map[out_name] = job.layout.non_expert_shard
+    index = json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, indent=2)
+    atomic_write_bytes(staging / INDEX_NAME, index.encode(), fsync=job.fsync)
+
+
+def _verify(job: _Job, staging: Path) -> None:
+    """The driver finished every layer (its own check of each sampled layer passed), and the source held still."""
+    events = job.events
+    if events.get("start") is None or job.finished != set(job.layout.moe_layers) or events.get("done") is None:
+        raise KtflowError(f"the kt-int8 driver ended without finishing (see {staging / _LOG})")
+    if checkpoint_identity(job.bf16_dir) != job.identity:  # layers from two versions of the source: never publish a mix
+        raise KtflowError(f"{job.bf16_dir} changed while it was being quantized; nothing was published. Rerun the stage "
+                          "once the source is stable (the layers made from the old version are discarded).")
+
+
+def _verification(job: _Job) -> dict[str, dict[str, Any]]:
+    """Each verified layer's figures (timings included), by layer."""
+    return {str(v["layer"]): {k: v[k] for k in v if k != "event"} for v in job.events["verify"]}
+
+
+def _manifest(job: _Job) -> StageManifest:
+    start, info, t = job.events["start"], job.info, job.request.threadpool_count
+    # Timings go to the result only: the manifest (and so its digest) holds what is reproducible.
+    recorded = {layer: {k: v for k, v in figures.items() if k != "seconds"}
+                for layer, figures in _verification(job).items()}
+    return StageManifest(
+        stage=STAGE,
+        inputs=job.inputs,
+        settings=job.settings,
+        tools={"kt-kernel": str(start.get("kt_kernel")), "torch": str(start.get("torch")),
+               "cpu_variant": str(start.get("cpu_variant")), "int8_kernel": str(start.get("int8_kernel")),
+               "int8_weight_layout": str(start.get("int8_weight_layout"))},
+        extra={"source_path": str(job.bf16_dir), "layers": job.layout.moe_layers, "experts": info.num_routed_experts,
+               "hidden": info.hidden_size, "moe_intermediate": info.moe_intermediate_size, "top_k": job.top_k,
+               "verification": recorded, "max_rel_err": job.request.max_rel_err,
+               "serve_flags": {"--kt-method": KT_METHOD, "--kt-threadpool-count": t}},
+    )
+
+
+def _result(job: _Job, manifest: StageManifest) -> QuantizeInt8Result:
+    layers = len(job.layout.layers)
+    return QuantizeInt8Result(path=job.target, cached=False, layers=layers, layers_reused=layers - len(job.quantized),
+                              threadpool_count=job.request.threadpool_count, seconds=job.seconds(),
+                              verification=_verification(job), manifest_digest=manifest.digest())
+
+
+QUANTIZE_INT8: StageSpec[QuantizeInt8Request, _Job, QuantizeInt8Sizes, QuantizeInt8Result] = StageSpec(
+    name=STAGE, prepare=_prepare, lookup=_lookup, measure=_measure, needs=quantize_int8_needs,
+    work=_work, verify=_verify, manifest=_manifest, result=_result,
+    # Complete layers of an interrupted attempt with the same source and settings are kept.
+    resume=True, journal=_JOURNAL, bookkeeping=(driver.PLAN_NAME, _LOG),
+    host_fix="quantize on an AVX512 or AMX host (the output is portable to any AVX512/AMX server); `ktflow doctor` "
+             "says what this host can run",
+)
+"""The quantize-int8 stage, declared for :func:`~ktflow.runner.run_stage` (and a planner)."""
 
 
 def quantize_int8(
@@ -273,18 +558,11 @@ def quantize_int8(
     fsync: bool = True,
     scratch_dir: Path | None = None,
     layers_per_process: int | None = None,
-    _locked: bool = False,
 ) -> QuantizeInt8Result:
     """Quantize a BF16 checkpoint's routed experts to kt-kernel AMXINT8 for ``--kt-threadpool-count T``.
 
-    Verification: for ``verify_layers`` MoE layers spread over the model, the written shards are
-    loaded back through kt-kernel's own AMXINT8 inference path (a wrapper without ``cpu_save``,
-    reading the layout as sglang-kt does) and its MoE forward on 16 random tokens (fixed seed,
-    random top-k routing and weights) is compared with a float64 torch MoE of the BF16 weights
-    (``down(silu(gate x) * up x)``, weighted over the selected experts). ``mean|out - ref| /
-    mean|ref|`` per layer goes into the manifest; above ``max_rel_err`` the stage fails and
-    nothing is published. Per-channel INT8 of weights (plus kt-kernel's per-token INT8
-    activations) gives ~1-3%; kt-kernel's own MoE test accepts < 0.05, the default bound.
+    The written shards of ``verify_layers`` layers are verified through kt-kernel's own inference
+    path (the module's docstring says how) against ``max_rel_err``.
 
     Args:
         bf16_dir: a BF16 DeepSeek-V3-architecture checkpoint (the dequantize stage's output).
@@ -316,201 +594,12 @@ def quantize_int8(
     Concurrent runs onto one ``out_dir`` are serialized (:func:`~ktflow.store.artifact_lock`):
     the second waits, then finds the artifact published (a cache hit).
     """
-    started = time.perf_counter()
-    bf16_dir, out_dir = Path(bf16_dir).absolute(), Path(out_dir).absolute()
-    t = threadpool_count
-
-    # ---- refusals, before anything is written
-    info = inspect_checkpoint(bf16_dir)
-    if info.format != "bf16":
-        raise InvalidInputError(
-            str(bf16_dir),
-            f"is a {info.format} checkpoint; quantize-int8 takes BF16 experts (kt-kernel's converter has no INT4 "
-            "input, and its FP8 input needs a CUDA GPU).",
-            f"convert it to BF16 first with the dequantize stage (`ktflow dequantize {bf16_dir} BF16_DIR`), then "
-            "quantize BF16_DIR; or run the whole pipeline with `ktflow run`, which chains them.",
-        )
-    if out_dir == bf16_dir or bf16_dir in out_dir.parents:
-        raise InvalidInputError(str(out_dir), "the output directory is the source or inside it.", "choose another OUT_DIR")
-    check_int8_alignment(info.hidden_size, info.moe_intermediate_size, t)
-    if type(verify_layers) is not int or verify_layers < 0:
-        raise InvalidInputError(f"verify_layers {verify_layers}", "must be a non-negative integer.")
-    if not max_rel_err > 0:
-        raise InvalidInputError(f"max_rel_err {max_rel_err}", "must be a positive number (kt-kernel's test uses 0.05).")
-    if workers is not None and (type(workers) is not int or workers < 1):
-        raise InvalidInputError(f"--workers {workers}", "must be a positive integer.")
-    if layers_per_process is not None and (type(layers_per_process) is not int or layers_per_process < 1):
-        raise InvalidInputError(f"layers_per_process {layers_per_process}", "must be a positive integer.")
-    if info.num_routed_experts < 2:
-        raise CheckpointError(str(bf16_dir / CONFIG_NAME), f"n_routed_experts is {info.num_routed_experts}; "
-                                                          "quantize-int8 needs a MoE model.")
-    config = json.loads((bf16_dir / CONFIG_NAME).read_text(encoding="utf-8"))
-    text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    top_k = int(text_cfg.get("num_experts_per_tok", 2))
-    top_k = max(1, min(top_k, info.num_routed_experts))
-    layout = _Layout(bf16_dir, info.num_layers, info.num_routed_experts, info.hidden_size, info.moe_intermediate_size)
-
-    serve_python = Path(serve_python).absolute()  # not resolved: a venv's python is a symlink to the base
-    if not serve_python.is_file():
-        raise HostRequirementError(f"serve_python: {serve_python}", "does not exist.",
-                                   "run `make serve-env`, or pass the python of the environment that has kt-kernel 0.7.2")
-    versions = _toolchain_versions(serve_python)
-    if "kt-kernel" not in versions:
-        raise HostRequirementError(f"serve_python: {serve_python}", "has no kt-kernel installed.",
-                                   "run `make serve-env` (kt-kernel 0.7.2, torch 2.9.1)")
-
-    # ---- cache
-    identity = checkpoint_identity(bf16_dir)
-    inputs = {"source": identity_digest(identity)}
-    settings = {"method": KT_METHOD, "threadpool_count": t, "kt_kernel": versions["kt-kernel"]}
-    existing = read_manifest(out_dir) if out_dir.is_dir() else None
-    if existing is not None and existing.stage == STAGE and existing.inputs == inputs and existing.settings == settings:
-        verification = existing.extra.get("verification", {})
-        worst = {k: v["mean_rel_err"] for k, v in verification.items() if not v["mean_rel_err"] <= max_rel_err}
-        if worst:
-            raise KtflowError(f"{out_dir}: the published INT8 weights were verified at mean relative error "
-                              f"{worst} (layer: error), above max_rel_err {max_rel_err}")
-        return QuantizeInt8Result(path=out_dir, cached=True, layers=len(existing.extra.get("layers", [])),
-                                  layers_reused=len(existing.extra.get("layers", [])), threadpool_count=t,
-                                  seconds=time.perf_counter() - started, verification=verification,
-                                  manifest_digest=existing.digest())
-    if out_dir.exists() and existing is None:
-        raise InvalidInputError(str(out_dir), "exists and is not a ktflow artifact.", "choose a new OUT_DIR or remove it")
-    if not _locked:  # one writer per OUT_DIR; a concurrent run waits here, then finds it published
-        with artifact_lock(out_dir), storage_errors(out_dir):
-            return quantize_int8(bf16_dir, out_dir, threadpool_count=t, serve_python=serve_python, workers=workers,
-                                 verify_layers=verify_layers, max_rel_err=max_rel_err, progress=progress, fsync=fsync,
-                                 scratch_dir=scratch_dir, layers_per_process=layers_per_process, _locked=True)
-
-    # ---- host: CPU, RAM, scratch, disk
-    host = probe_host(_existing_dir(out_dir.parent))
-    missing = check_requirement(INT8_KERNELS, host)
-    if missing:
-        raise HostRequirementError("cpu", "; ".join(missing) + ".",
-                                   "quantize on an AVX512 or AMX host (the output is portable to any AVX512/AMX "
-                                   "server); `ktflow doctor` says what this host can run")
-
-    experts, hidden, inter = info.num_routed_experts, info.hidden_size, info.moe_intermediate_size
-    bf16_layer, int8_layer = _layer_bytes(experts, hidden, inter, t)
-    scratch_root = Path(scratch_dir).absolute() if scratch_dir is not None else Path("/dev/shm")
-    if scratch_dir is None and not scratch_root.is_dir():
-        scratch_root = out_dir.parent  # no tmpfs: kt-kernel's scratch files go beside the output
-    staging = staging_dir_for(out_dir)
-    problems = []
-    shm = _existing_dir(scratch_root)
-    on_tmpfs = shm == Path("/dev/shm") or Path("/dev/shm") in shm.parents  # tmpfs pages are RAM
-    ram_need = bf16_layer + int8_layer * (2 if on_tmpfs else 1)
-    if host.ram_available_bytes < (ram_need + _DRIVER_BASE_BYTES) * 1.1:
-        problems.append(f"one MoE layer needs ~{(ram_need + _DRIVER_BASE_BYTES) * 1.1 / _GiB:.2f} GiB of RAM "
-                        f"({bf16_layer / _GiB:.2f} GiB BF16 experts + {int8_layer / _GiB:.2f} GiB INT8"
-                        f"{' + the same in ' + str(shm) if on_tmpfs else ''} + ~1 GiB for python, torch and "
-                        f"kt-kernel); {host.ram_available_bytes / _GiB:.2f} GiB is available")
-    shm_free = shutil.disk_usage(shm).free
-    if shm_free < int8_layer * 1.05:
-        problems.append(f"kt-kernel's scratch {shm} needs ~{int8_layer * 1.05 / _GiB:.2f} GiB free for one layer; "
-                        f"it has {shm_free / _GiB:.2f} GiB (pass scratch_dir= a roomier directory)")
-    out_total = (len(layout.layers) * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * experts * t)
-                 + layout.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * len(layout.non_expert)
-                 + sum((bf16_dir / n).stat().st_size for n in COPIED_FILES if (bf16_dir / n).is_file()))
-    journal = staging / _JOURNAL
-    try:
-        resumable = json.loads(journal.read_text()) == {"identity": identity, "settings": settings}
-    except (OSError, ValueError):
-        resumable = False
-    done_bytes = sum(p.stat().st_size for p in staging.glob("model-*.safetensors")) if resumable else 0
-    disk = _existing_dir(out_dir.parent)
-    disk_free = shutil.disk_usage(disk).free
-    if disk_free < (out_total - done_bytes) * 1.02:
-        need = int((out_total - done_bytes) * 1.02)
-        problems.append(f"the output needs ~{need / _GiB:.2f} GiB ({need} bytes) more at {disk}; "
-                        f"{disk_free / _GiB:.2f} GiB ({disk_free} bytes) is free")
-    if problems:
-        raise HostRequirementError(STAGE, "; ".join(problems), "free memory or disk, or run on a larger host")
-
-    # ---- staging (resumed when it was started from the same source and settings)
-    if staging.exists() and not resumable:
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
-    if not journal.exists():
-        atomic_write_json(journal, {"identity": identity, "settings": settings}, fsync=fsync)
-
-    threads = max(workers or host.physical_cores, t)
-    if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
-        room = host.ram_available_bytes * 0.8 - ram_need - _DRIVER_BASE_BYTES
-        layers_per_process = max(1, int(room // max(int8_layer, 1)))
-    verify = _sample_layers(layout.moe_layers, verify_layers)
-    plan = {
-        "source": str(bf16_dir), "experts": experts, "top_k": top_k, "hidden": hidden, "moe_intermediate": inter,
-        "threadpool_count": t, "threads": threads, "scratch_dir": str(scratch_root), "fsync": fsync,
-        "max_rel_err": max_rel_err, "wrappers_per_process": layers_per_process, "layers": layout.layers,
-        "verify": {"layers": verify, "tokens": VERIFY_TOKENS, "seed": VERIFY_SEED},
-        "non_expert": {"shard": layout.non_expert_shard, "tensors": [list(x) for x in layout.non_expert]},
-    }
-    plan_path = staging / driver.PLAN_NAME
-
-    events: dict[str, Any] = {"layer": [], "verify": [], "processes": 0}
-    finished: set[int] = set()
-    quantized: set[int] = set()
-
-    def on_layer(event: dict[str, Any]) -> None:
-        if event["status"] == "done":
-            quantized.add(event["layer"])
-        if event["layer"] not in finished:
-            finished.add(event["layer"])
-            if progress is not None:
-                progress(len(finished), len(layout.layers))
-
-    while True:  # one driver process per budget of wrappers; each skips what the previous ones finished
-        verified = {v["layer"] for v in events["verify"]}
-        plan["verify"]["layers"] = [layer for layer in verify if layer not in verified]
-        atomic_write_json(plan_path, plan, fsync=False)
-        before = (len(quantized), len(events["verify"]))
-        if not _run_driver(serve_python, plan_path, staging / _LOG, events, on_layer):
-            break
-        if before == (len(quantized), len(events["verify"])):
-            raise KtflowError(f"{STAGE}: the kt-kernel driver restarted without progress (see {staging / _LOG})")
-    # Timings go to the result only: the manifest (and so its digest) holds what is reproducible.
-    verification = {str(v["layer"]): {k: v[k] for k in v if k != "event"} for v in events["verify"]}
-    recorded = {layer: {k: v for k, v in figures.items() if k != "seconds"} for layer, figures in verification.items()}
-    if events.get("start") is None or finished != set(layout.moe_layers) or events.get("done") is None:
-        raise KtflowError(f"the kt-int8 driver ended without finishing (see {staging / _LOG})")
-
-    if checkpoint_identity(bf16_dir) != identity:  # layers from two versions of the source: never publish a mix
-        raise KtflowError(f"{bf16_dir} changed while it was being quantized; nothing was published. Rerun the stage "
-                          "once the source is stable (the layers made from the old version are discarded).")
-
-    # ---- index, copied files, manifest, publish
-    weight_map: dict[str, str] = {}
-    for entry in layout.layers:
-        for name in driver.layer_index_names(entry["layer"], experts, t):
-            weight_map[name] = entry["shard"]
-    for out_name, _, _ in layout.non_expert:
-        weight_map[out_name] = layout.non_expert_shard
-    # Byte for byte what convert_cpu_weights.py writes: json.dump(indent=2), no trailing newline.
-    index = json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, indent=2)
-    atomic_write_bytes(staging / INDEX_NAME, index.encode(), fsync=fsync)
-    for name in COPIED_FILES:
-        if (bf16_dir / name).is_file():
-            shutil.copy2(bf16_dir / name, staging / name)
-    start = events["start"]
-    for leftover in (journal, plan_path, staging / _LOG):
-        leftover.unlink(missing_ok=True)
-    manifest = StageManifest(
-        stage=STAGE,
-        inputs=inputs,
-        settings=settings,
-        tools={"kt-kernel": str(start.get("kt_kernel")), "torch": str(start.get("torch")),
-               "cpu_variant": str(start.get("cpu_variant")), "int8_kernel": str(start.get("int8_kernel")),
-               "int8_weight_layout": str(start.get("int8_weight_layout"))},
-        extra={"source_path": str(bf16_dir), "layers": layout.moe_layers, "experts": experts, "hidden": hidden,
-               "moe_intermediate": inter, "top_k": top_k, "verification": recorded, "max_rel_err": max_rel_err,
-               "serve_flags": {"--kt-method": KT_METHOD, "--kt-threadpool-count": t}},
+    request = QuantizeInt8Request(
+        bf16_dir=Path(bf16_dir), out_dir=Path(out_dir), threadpool_count=threadpool_count,
+        serve_python=Path(serve_python), workers=workers, verify_layers=verify_layers, max_rel_err=max_rel_err,
+        fsync=fsync, scratch_dir=scratch_dir, layers_per_process=layers_per_process,
     )
-    manifest = publish_dir(staging, out_dir, manifest, fsync=fsync)
-    reused = len(layout.layers) - len(quantized)
-    return QuantizeInt8Result(path=out_dir, cached=False, layers=len(layout.layers), layers_reused=reused,
-                              threadpool_count=t, seconds=time.perf_counter() - started, verification=verification,
-                              manifest_digest=manifest.digest())
+    return run_stage(QUANTIZE_INT8, request, progress=progress)
 
 
 def _run_driver(python: Path, plan_path: Path, log_path: Path, events: dict[str, Any],

@@ -46,6 +46,7 @@ included), the half-started server and everything carrying its marker are stoppe
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import secrets
 import socket
@@ -53,7 +54,8 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -376,25 +378,11 @@ def _probe(url: str, api_key: str | None, timeout_s: float = 5.0) -> tuple[int |
 
 
 def start_server(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    *,
-    log_path: Path,
-    ready_url: str,
-    api_key: str,
-    timeout_s: float,
-    key_env: str = LLAMAFACTORY_KEY_ENV,
-    expect_model: str | None = None,
-    check_auth: bool = True,
-    run_id: str | None = None,
-    cwd: Path | None = None,
-    on_line: Callable[[str], None] | None = None,
-    on_started: Callable[[subprocess.Popen], None] | None = None,
-    die_with_parent: bool = False,
-    label: str | None = None,
-    poll_s: float = 0.5,
-    grace_s: float = TERMINATE_GRACE_S,
-    guardian: Guardian | None = None,
+    argv: Sequence[str], env: Mapping[str, str], *, log_path: Path, ready_url: str, api_key: str, timeout_s: float,
+    key_env: str = LLAMAFACTORY_KEY_ENV, expect_model: str | None = None, check_auth: bool = True,
+    run_id: str | None = None, cwd: Path | None = None, on_line: Callable[[str], None] | None = None,
+    on_started: Callable[[subprocess.Popen], None] | None = None, die_with_parent: bool = False,
+    label: str | None = None, poll_s: float = 0.5, grace_s: float = TERMINATE_GRACE_S, guardian: Guardian | None = None,
 ) -> subprocess.Popen:
     """Start a long-lived server and return once it is ready; it is not waited on.
 
@@ -424,71 +412,99 @@ def start_server(
     """
     if not api_key:
         raise InvalidInputError("api_key", "is empty; the server would accept every request", "pass a key")
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     # A ready server outlives us: it must not carry the marker of this process's lifetime.
     child_env = {**{k: v for k, v in env.items() if k != EMBEDDED_API_MARKER}, key_env: api_key,
                  SERVER_MARKER: run_id or uuid.uuid4().hex}
     own_guardian = guardian is None
-    if guardian is None:
-        guardian = Guardian(SERVER_MARKER, child_env[SERVER_MARKER])
+    guardian = Guardian(SERVER_MARKER, child_env[SERVER_MARKER]) if guardian is None else guardian
+    try:
+        proc, offset = _spawn(argv, child_env, Path(log_path), label=label, cwd=cwd, die_with_parent=die_with_parent)
+        gate = _ReadyGate(ready_url, api_key, expect_model, check_auth, timeout_s, poll_s)
+        with _following(Path(log_path), offset, on_line) as follower:
+            try:
+                if on_started is not None:
+                    on_started(proc)
+                gate.wait(proc, follower, Path(argv[0]).name, Path(log_path))
+            except BaseException:
+                terminate_tree(proc.pid, grace_s)
+                _reap_marked(child_env[SERVER_MARKER])
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+                raise
+    finally:
+        if own_guardian:
+            guardian.disarm()  # ready (it may outlive us now), or stopped above
+    return proc
+
+
+def _spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, label: str | None, cwd: Path | None,
+           die_with_parent: bool) -> tuple[subprocess.Popen, int]:
+    """Start the server writing into ``log_path`` after a banner line; return it and where its output starts."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         log.write(f"=== ktflow: starting {label or Path(argv[0]).name} at {_now()} ===\n".encode())
         log.flush()
-        offset = log.tell()
         try:
             proc = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
                 cwd=cwd, preexec_fn=_die_with_parent if die_with_parent else None,
             )
         except OSError as exc:
-            if own_guardian:
-                guardian.disarm()
             raise KtflowError(f"cannot start {argv[0]}: {exc.strerror}") from None
-    follower = _LogFollower(log_path, offset, on_line).start()
+        return proc, log.tell()
+
+
+@contextlib.contextmanager
+def _following(path: Path, offset: int, on_line: Callable[[str], None] | None) -> Iterator[_LogFollower]:
+    follower = _LogFollower(path, offset, on_line).start()
     try:
-        if on_started is not None:
-            on_started(proc)
-        deadline = time.monotonic() + timeout_s
-        last: str = "no answer yet"
+        yield follower
+    finally:
+        follower.close()
+
+
+@dataclass(frozen=True)
+class _ReadyGate:
+    """When a starting server counts as ready (see :func:`start_server`)."""
+
+    url: str
+    api_key: str
+    expect_model: str | None
+    check_auth: bool
+    timeout_s: float
+    poll_s: float
+
+    def wait(self, proc: subprocess.Popen, follower: _LogFollower, name: str, log_path: Path) -> None:
+        """Return once ready; raise :class:`ServerStartError` when the process exits or the time runs out."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
             code = proc.poll()
             if code is not None:
                 follower.close()
-                raise ServerStartError(f"{Path(argv[0]).name} exited with status {code} before it was ready",
-                                       follower.tail, log_path)
-            status, body = _probe(ready_url, api_key, timeout_s=min(5.0, max(poll_s, 1.0)))
-            if status == 200:
-                ids = [m.get("id") for m in (body or {}).get("data", []) if isinstance(m, dict)] if isinstance(
-                    body, dict) else []
-                if expect_model is None or expect_model in ids:
-                    break
-                last = f"{ready_url} lists {ids}, not {expect_model!r}"
-            else:
-                last = f"{ready_url}: {body if status is None else f'HTTP {status}'}"
+                raise ServerStartError(f"{name} exited with status {code} before it was ready", follower.tail, log_path)
+            last = self._not_ready()
+            if last is None:
+                break
             if time.monotonic() >= deadline:
-                raise ServerStartError(f"the server was not ready within {timeout_s:.0f} s ({last})",
+                raise ServerStartError(f"the server was not ready within {self.timeout_s:.0f} s ({last})",
                                        follower.tail, log_path)
-            time.sleep(poll_s)
-        if check_auth:
-            status, _ = _probe(ready_url, None)
+            time.sleep(self.poll_s)
+        if self.check_auth:
+            status, _ = _probe(self.url, None)
             if status not in (401, 403):
                 raise ServerStartError(
-                    f"the server answers {ready_url} without the API key (HTTP {status}); refusing to serve "
+                    f"the server answers {self.url} without the API key (HTTP {status}); refusing to serve "
                     "an endpoint that does not check the key", follower.tail, log_path)
-    except BaseException:
-        terminate_tree(proc.pid, grace_s)
-        _reap_marked(child_env[SERVER_MARKER])
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        raise
-    finally:
-        follower.close()
-        if own_guardian:
-            guardian.disarm()  # ready (it may outlive us now), or stopped above
-    return proc
+
+    def _not_ready(self) -> str | None:
+        """Why the server is not ready yet (None: it is)."""
+        status, body = _probe(self.url, self.api_key, timeout_s=min(5.0, max(self.poll_s, 1.0)))
+        if status != 200:
+            return f"{self.url}: {body if status is None else f'HTTP {status}'}"
+        ids = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)] if isinstance(body, dict) else []
+        if self.expect_model is None or self.expect_model in ids:
+            return None
+        return f"{self.url} lists {ids}, not {self.expect_model!r}"
 
 
 def _reap_marked(run_id: str | None) -> None:
@@ -593,6 +609,55 @@ def _check_adapter(adapter_dir: Path, model_dir: Path, validate: bool) -> Path:
     return adapter_dir
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """How one backend's server is started, and how to tell that it is ready."""
+
+    what: str  # for the log
+    python: Path  # the toolchain's python: its bin/ goes first on PATH
+    argv: list[str]
+    env: dict[str, str]
+    key_env: str  # the variable the server reads its API key from
+    model_name: str  # the model a client asks for (the adapter's, when one is served)
+    ready_url: str
+    expect_model: str | None
+    check_auth: bool
+    infer_path: Path | None = None
+
+
+def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
+                   record_dir: Path, port: int, host: Any) -> _Launch:
+    """sglang-kt in the serving toolchain; the key reaches it through its environment (the launcher
+    hands it to the parser in-process), readiness is /health."""
+    from ktflow.hardware import probe_host as probe_hardware
+    from ktflow.sglang_launch import render_sglang_launch
+
+    serving = recipe.serving
+    if port != serving.port:
+        raise KtflowError("the sglang backend serves on serving.port only")
+    python = recipe.toolchains.serve.require("toolchains.serve.python", "sglang-kt and kt-kernel", "serve-env")
+    assert adapter_dir is not None and kt_weight_dir is not None
+    launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
+                                  serve_python=python, host=host or probe_hardware(record_dir))
+    return _Launch(what="sglang-kt", python=python, argv=launch.argv, env=dict(launch.env),
+                   key_env=launch.api_key_env or serving.api_key_env, model_name=adapter_model_name(recipe),
+                   ready_url=f"{base_url(serving.host, port).removesuffix('/v1')}/health", expect_model=None,
+                   check_auth=False)
+
+
+def _llamafactory_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, record_dir: Path,
+                         port: int) -> _Launch:
+    """LlamaFactory's API in the training toolchain; readiness is /v1/models listing the model."""
+    python = _train_python(recipe)
+    argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter_dir,
+                                               train_python=python, config_dir=record_dir, port=port)
+    atomic_write_bytes(record_dir / INFER_YAML, yaml.safe_dump(infer, sort_keys=False).encode())
+    model_name = env["API_MODEL_NAME"]
+    return _Launch(what="llamafactory-cli api", python=python, argv=argv, env=env, key_env=LLAMAFACTORY_KEY_ENV,
+                   model_name=model_name, ready_url=f"{base_url(recipe.serving.host, port)}/models",
+                   expect_model=model_name, check_auth=True, infer_path=record_dir / INFER_YAML)
+
+
 def _start_endpoint(
     recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, record_dir: Path, api_key: str,
     key_file: Path | None, port: int, previous: AdapterRef | None, last_failed_swap: FailedSwap | None,
@@ -606,45 +671,33 @@ def _start_endpoint(
             "stop what listens there (`ktflow serve --stop` if it is an earlier endpoint) or set serving.port",
         )
     child_env = {k: v for k, v in os.environ.items() if k != serving.api_key_env}
-    url = base_url(serving.host, port)
     if serving.backend == "sglang":
-        # sglang-kt in the serving toolchain; the key reaches it through its environment (the
-        # launcher hands it to the parser in-process), readiness is /health.
-        from ktflow.hardware import probe_host as probe_hardware
-        from ktflow.sglang_launch import render_sglang_launch
-
-        if port != serving.port:
-            raise KtflowError("the sglang backend serves on serving.port only")
-        python = recipe.toolchains.serve.require("toolchains.serve.python", "sglang-kt and kt-kernel", "serve-env")
-        assert adapter_dir is not None and kt_weight_dir is not None
-        launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
-                                      serve_python=python, host=host or probe_hardware(record_dir))
-        argv, key_env = launch.argv, launch.api_key_env or serving.api_key_env
-        child_env.update(launch.env)
-        model_name = adapter_model_name(recipe)
-        ready_url, expect_model, check_auth, infer_path = f"{base_url(serving.host, port).removesuffix('/v1')}/health", None, False, None
-        what = "sglang-kt"
+        launch = _sglang_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, kt_weight_dir=kt_weight_dir,
+                                record_dir=record_dir, port=port, host=host)
     else:
-        python = _train_python(recipe)
-        argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter_dir,
-                                                   train_python=python, config_dir=record_dir, port=port)
-        atomic_write_bytes(record_dir / INFER_YAML, yaml.safe_dump(infer, sort_keys=False).encode())
-        child_env.update(env)
-        model_name = env["API_MODEL_NAME"]
-        key_env, ready_url, expect_model, check_auth = LLAMAFACTORY_KEY_ENV, f"{url}/models", model_name, True
-        infer_path = record_dir / INFER_YAML
-        what = "llamafactory-cli api"
-    child_env["PATH"] = f"{python.parent}{os.pathsep}{child_env.get('PATH', '')}"
+        launch = _llamafactory_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
+                                      port=port)
+    child_env.update(launch.env)
+    child_env["PATH"] = f"{launch.python.parent}{os.pathsep}{child_env.get('PATH', '')}"
     manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
-    run_id = uuid.uuid4().hex
+    url = base_url(serving.host, port)
     endpoint = Endpoint(
         url=url, backend=serving.backend, served_model_name=serving.served_model_name,
-        adapter_model_name=model_name if adapter_dir is not None else None, pid=0,
+        adapter_model_name=launch.model_name if adapter_dir is not None else None, pid=0,
         log_path=record_dir / SERVER_LOG, adapter_dir=adapter_dir,
         adapter_manifest_digest=manifest.digest() if manifest is not None else None, started_at=_now(),
-        state="starting", host=serving.host, port=port, run_id=run_id, infer_config=infer_path,
+        state="starting", host=serving.host, port=port, run_id=uuid.uuid4().hex, infer_config=launch.infer_path,
         api_key_env=serving.api_key_env, api_key_file=key_file, previous=previous, last_failed_swap=last_failed_swap,
     )
+    if log:
+        log(f"starting {launch.what} on {url} (model {launch.model_name}, adapter {adapter_dir or 'none'})")
+    return _start_and_gate(endpoint, launch, child_env, api_key, record_dir=record_dir, log=log,
+                           die_with_parent=die_with_parent, timeout_s=serving.ready_timeout_s)
+
+
+def _start_and_gate(endpoint: Endpoint, launch: _Launch, env: dict[str, str], api_key: str, *, record_dir: Path,
+                    log: Callable[[str], None] | None, die_with_parent: bool, timeout_s: float) -> Endpoint:
+    """Start the server, health-gate and smoke-test it, and record it (``starting``, then ``ready``)."""
 
     def record_start(proc: subprocess.Popen) -> None:
         nonlocal endpoint
@@ -655,39 +708,45 @@ def _start_endpoint(
         endpoint = endpoint.model_copy(update={"pid": proc.pid, "pid_create_time": created})
         _write_endpoint(record_dir, endpoint)
 
-    if log:
-        log(f"starting {what} on {url} (model {model_name}, adapter {adapter_dir or 'none'})")
     # Armed until the ready record is written: a server whose orchestrator dies while it starts
     # (before the gate, or during the smoke test) is stopped, never left holding the port.
-    guardian = Guardian(SERVER_MARKER, run_id)
+    guardian = Guardian(SERVER_MARKER, endpoint.run_id)
     try:
         try:
             proc = start_server(
-                argv, child_env, log_path=endpoint.log_path, ready_url=ready_url, api_key=api_key, key_env=key_env,
-                timeout_s=serving.ready_timeout_s, expect_model=expect_model, check_auth=check_auth, run_id=run_id,
-                cwd=record_dir, on_line=log, on_started=record_start, die_with_parent=die_with_parent,
-                label=f"{what} on {url}, model {model_name}, adapter {adapter_dir or 'none'}", guardian=guardian,
+                launch.argv, env, log_path=endpoint.log_path, ready_url=launch.ready_url, api_key=api_key,
+                key_env=launch.key_env, timeout_s=timeout_s, expect_model=launch.expect_model,
+                check_auth=launch.check_auth, run_id=endpoint.run_id, cwd=record_dir, on_line=log,
+                on_started=record_start, die_with_parent=die_with_parent, guardian=guardian,
+                label=f"{launch.what} on {endpoint.url}, model {launch.model_name}, adapter "
+                      f"{endpoint.adapter_dir or 'none'}",
             )
         except BaseException:
             _forget(record_dir, endpoint)
             raise
-        try:
-            smoke = smoke_test(url, api_key, model_name)
-        except BaseException as exc:
-            terminate_tree(proc.pid)
-            _reap_marked(run_id)
-            _forget(record_dir, endpoint)
-            if isinstance(exc, KtflowError):
-                raise ServerStartError(f"the server on {url} is up but failed its smoke test: {exc}",
-                                       log_path=endpoint.log_path) from None
-            raise
-        if log:
-            log(f"{url} ready; smoke test answered in {smoke['seconds']} s")
+        _smoke_or_stop(proc, endpoint, api_key, launch.model_name, record_dir, log)
         endpoint = endpoint.model_copy(update={"state": "ready", "started_at": _now()})
         _write_endpoint(record_dir, endpoint)
     finally:
         guardian.disarm()  # ready: the server is meant to outlive us now (or it was stopped above)
     return endpoint
+
+
+def _smoke_or_stop(proc: subprocess.Popen, endpoint: Endpoint, api_key: str, model_name: str, record_dir: Path,
+                   log: Callable[[str], None] | None) -> None:
+    """Smoke-test a ready server; one that fails it is stopped and forgotten."""
+    try:
+        smoke = smoke_test(endpoint.url, api_key, model_name)
+    except BaseException as exc:
+        terminate_tree(proc.pid)
+        _reap_marked(endpoint.run_id)
+        _forget(record_dir, endpoint)
+        if isinstance(exc, KtflowError):
+            raise ServerStartError(f"the server on {endpoint.url} is up but failed its smoke test: {exc}",
+                                   log_path=endpoint.log_path) from None
+        raise
+    if log:
+        log(f"{endpoint.url} ready; smoke test answered in {smoke['seconds']} s")
 
 
 def _forget(record_dir: Path, endpoint: Endpoint) -> None:
@@ -807,17 +866,7 @@ def swap_adapter(
     model_dir = _check_model_dir(model_dir)
     new_adapter_dir = _check_adapter(new_adapter_dir, model_dir, validate)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
-    # The adapter serving now is the good one to return to; a record left "starting" by a crash
-    # is not proven good, so its own "previous" is.
-    if current.state == "ready":
-        good = AdapterRef(adapter_dir=current.adapter_dir, adapter_manifest_digest=current.adapter_manifest_digest,
-                          adapter_model_name=current.adapter_model_name)
-        good_previous = current.previous
-    elif current.previous is not None:
-        good, good_previous = current.previous, None
-    else:
-        raise KtflowError(f"the endpoint in {record_dir} never became ready and names no previous adapter; "
-                          "stop it and serve() again")
+    good, good_previous = _last_good(current, record_dir)
     port = current.port or _recipe_port(recipe, log)
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
@@ -842,6 +891,22 @@ def swap_adapter(
             f"the new adapter {new_adapter_dir} failed to serve and was rolled back; {good.adapter_dir} serves "
             f"again at {base_url(recipe.serving.host, port)}. Cause: {exc}", rolled_back=True,
         ) from exc
+
+
+def _last_good(current: Endpoint, record_dir: Path) -> tuple[AdapterRef, AdapterRef | None]:
+    """The adapter to return to if a swap fails, and the one before it.
+
+    The adapter serving now is the good one; a record left "starting" by a crash is not proven
+    good, so its own "previous" is.
+    """
+    if current.state == "ready":
+        good = AdapterRef(adapter_dir=current.adapter_dir, adapter_manifest_digest=current.adapter_manifest_digest,
+                          adapter_model_name=current.adapter_model_name)
+        return good, current.previous
+    if current.previous is not None:
+        return current.previous, None
+    raise KtflowError(f"the endpoint in {record_dir} never became ready and names no previous adapter; "
+                      "stop it and serve() again")
 
 
 def dump_infer_yaml(infer: Mapping[str, Any]) -> str:

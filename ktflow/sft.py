@@ -35,6 +35,7 @@ from ktflow.hardware import HostInfo
 from ktflow.process import ThrottledLines, run_tool
 from ktflow.recipe import Recipe
 from ktflow.safetensors_io import read_header
+from ktflow.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
 from ktflow.stages import check_requirement, host_requirements
 from ktflow.store import (
     StageManifest,
@@ -150,6 +151,25 @@ def check_kt_model(recipe: Recipe, model_config: dict[str, Any] | None, config_p
                 "(topk_ids, topk_weights), and DeepSeek-V2's gate does not, so training would stop at its first step",
                 "train DeepSeek-V2 with sft.backend: kt-legacy (recipes/deepseek-v2-lite-bf16.yaml) or hf",
             )
+
+
+def check_hf_fits_gpus(recipe: Recipe, host: HostInfo, model_dir: Path) -> None:
+    """Refuse, before anything is loaded (or dequantized), a plain SFT whose model cannot fit the GPUs.
+
+    ``sft.backend: hf`` puts every weight on the GPU in BF16, so a MoE bigger than the GPUs it
+    uses stops with CUDA out of memory only after minutes of loading. ``model_dir`` may be the
+    quantized source or its BF16 copy: parameters are counted as the values they decode to. The
+    arithmetic is :func:`ktflow.sizing.estimate_hf_sft_gpu_memory`; other backends and CPU runs
+    pass.
+
+    Raises:
+        HostRequirementError: the model, its LoRA state and activations need more GPU memory than
+            the ``sft.gpus`` GPUs of this host have; names both figures and ``backend: kt`` as the fix.
+        CheckpointError: ``model_dir``'s config or headers cannot be read.
+    """
+    problem = sft_gpu_memory_problem(recipe, host, model_dir)
+    if problem:
+        raise HostRequirementError("sft.backend: hf", problem, HF_DOES_NOT_FIT_FIX)
 
 
 def render_sft(
@@ -502,8 +522,9 @@ def run_sft(
     Raises:
         InvalidInputError: the KT backend with a model class it cannot train (:func:`check_kt_model`).
         DatasetError: a bad record (every one is listed); nothing is launched.
-        HostRequirementError: this host or toolchain cannot run the recipe's backend, the store has
-            too little free disk, or the store is not writable (all before anything is launched).
+        HostRequirementError: this host or toolchain cannot run the recipe's backend, a plain SFT's
+            model cannot fit its GPUs (:func:`check_hf_fits_gpus`), the store has too little free
+            disk, or the store is not writable (all before anything is launched).
         StorageError: the store filled up (or became read-only) while preparing or publishing.
         ToolError: LlamaFactory failed (its last lines are in the message; the run resumes on retry).
     """
@@ -515,6 +536,7 @@ def run_sft(
     problems = check_requirement(host_requirements(recipe)["sft"], host)
     if problems:
         raise HostRequirementError("sft", "; ".join(problems), "run this stage on a host that has them (ktflow doctor)")
+    check_hf_fits_gpus(recipe, host, model_dir)
     python = _toolchain_python(recipe)
     problems = check_sft_resources(recipe, host, inspect_checkpoint(model_dir).tensor_bytes)
     if problems:

@@ -46,7 +46,7 @@ from ktflow.checkpoint import inspect_checkpoint, load_config
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
 from ktflow.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
-from ktflow.store import read_manifest
+from ktflow.store import StageManifest, read_manifest
 
 QUANTIZE_INT8_STAGE = "quantize-int8"  # ktflow.quantize_int8.STAGE (not imported: it pulls in the driver)
 LAUNCH_MODULE = "sglang.launch_server"
@@ -159,16 +159,8 @@ def is_loopback(host: str) -> bool:
 
 
 def render_sglang_launch(
-    recipe: Recipe,
-    *,
-    model_dir: Path,
-    kt_weight_dir: Path,
-    adapter_dir: Path,
-    serve_python: Path,
-    host: HostInfo,
-    api_key_env_present: bool = True,
-    lora_cache_dir: Path | None = None,
-    check_files: bool = True,
+    recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path, serve_python: Path, host: HostInfo,
+    api_key_env_present: bool = True, lora_cache_dir: Path | None = None, check_files: bool = True,
 ) -> SglangLaunch:
     """Render the sglang-kt launch for ``recipe``'s serving section, after checking it can work.
 
@@ -204,12 +196,67 @@ def render_sglang_launch(
             "serving.backend", f"is '{serving.backend}' (kt_method {serving.kt_method}); the sglang-kt launch needs "
             "backend sglang with a kt_method.", "set serving.backend: sglang and serving.kt_method",
         )
-    method = serving.kt_method
-    t = serving.kt_threadpool_count
     _check_lora_rules(recipe)
     _check_extra_args(serving.extra_args)
+    cpuinfer = _check_host(recipe, host, api_key_env_present)
+    model_dir, kt_weight_dir, adapter_dir = (Path(p).absolute() for p in (model_dir, kt_weight_dir, adapter_dir))
+    if check_files:
+        _check_model_dir(model_dir)
+        int8_t = _check_kt_weights(recipe, kt_weight_dir)
+        _check_adapter(adapter_dir)
+    else:
+        int8_t = serving.kt_threadpool_count if serving.kt_method == "AMXINT8" else None
+    args = _launch_args(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
+                        cpuinfer=cpuinfer)
+    python = str(Path(serve_python).absolute())  # not resolved: a venv's python is a symlink to the base
+    if api_key_env_present:
+        head, key_env = [python, "-c", launcher_code(serving.api_key_env)], serving.api_key_env
+    else:
+        head, key_env = [python, "-m", LAUNCH_MODULE], None
+    env = {"PYTHONUNBUFFERED": "1", **recipe.toolchains.serve.env}
+    if lora_cache_dir is not None:
+        env[LORA_CACHE_ENV] = str(Path(lora_cache_dir).absolute())
+    return SglangLaunch(argv=head + args, env=env, int8_threadpool_count=int8_t, api_key_env=key_env)
 
-    # ---- host
+
+def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path, cpuinfer: int) -> list[str]:
+    """``sglang.launch_server``'s own command line (after the interpreter and the launcher)."""
+    serving = recipe.serving
+    assert serving.kt_method is not None
+    args = [
+        "--model-path", str(model_dir),
+        "--kt-weight-path", str(kt_weight_dir),
+        "--kt-method", serving.kt_method,
+        "--kt-cpuinfer", str(cpuinfer),
+        "--kt-threadpool-count", str(serving.kt_threadpool_count),
+        "--kt-num-gpu-experts", "0",
+        "--tensor-parallel-size", str(serving.gpus),
+        "--host", serving.host,
+        "--port", str(serving.port),
+        "--served-model-name", serving.served_model_name,
+        "--enable-lora",
+        "--lora-backend", serving.lora_backend,
+        "--lora-paths", f"{serving.adapter_name}={adapter_dir}",
+        "--max-running-requests", str(serving.max_running_requests),
+    ]
+    if serving.disable_cuda_graph:
+        args.append("--disable-cuda-graph")
+    for flag, value in (("--context-length", serving.context_length),
+                        ("--chunked-prefill-size", serving.chunked_prefill_size),
+                        ("--mem-fraction-static", serving.mem_fraction_static),
+                        ("--attention-backend", serving.attention_backend)):
+        if value is not None:
+            args += [flag, str(value)]
+    args += ["--dtype", serving.dtype]
+    if serving.disable_radix_cache:
+        args.append("--disable-radix-cache")
+    return args + serving.extra_args
+
+
+def _check_host(recipe: Recipe, host: HostInfo, api_key_env_present: bool) -> int:
+    """The host's side: cores for ``--kt-cpuinfer`` (returned), GPUs for tensor parallelism, the API key."""
+    serving = recipe.serving
+    t = serving.kt_threadpool_count
     cpuinfer = serving.kt_cpuinfer or host.physical_cores
     if cpuinfer > host.physical_cores:
         raise HostRequirementError(
@@ -228,6 +275,12 @@ def render_sglang_launch(
             "serving.gpus", f"asks for tensor parallel size {serving.gpus}, but {host.hostname} has "
             f"{len(host.gpus)} GPU(s).", f"set serving.gpus to at most {len(host.gpus)}, or serve on a larger host",
         )
+    _check_api_key(recipe, api_key_env_present)
+    return cpuinfer
+
+
+def _check_api_key(recipe: Recipe, api_key_env_present: bool) -> None:
+    serving = recipe.serving
     if not api_key_env_present and not is_loopback(serving.host):
         raise HostRequirementError(
             f"serving.api_key_env ({serving.api_key_env})",
@@ -240,57 +293,6 @@ def render_sglang_launch(
             f"toolchains.serve.env.{serving.api_key_env}", "sets the API key variable in the recipe; the key itself "
             "never goes in a recipe.", f"remove it and export {serving.api_key_env} in the serving environment",
         )
-
-    # ---- inputs
-    model_dir, kt_weight_dir, adapter_dir = (Path(p).absolute() for p in (model_dir, kt_weight_dir, adapter_dir))
-    if check_files:
-        _check_model_dir(model_dir)
-        int8_t = _check_kt_weights(recipe, kt_weight_dir)
-        _check_adapter(adapter_dir)
-    else:
-        int8_t = serving.kt_threadpool_count if serving.kt_method == "AMXINT8" else None
-
-    # ---- argv
-    args = [
-        "--model-path", str(model_dir),
-        "--kt-weight-path", str(kt_weight_dir),
-        "--kt-method", method,
-        "--kt-cpuinfer", str(cpuinfer),
-        "--kt-threadpool-count", str(t),
-        "--kt-num-gpu-experts", "0",
-        "--tensor-parallel-size", str(serving.gpus),
-        "--host", serving.host,
-        "--port", str(serving.port),
-        "--served-model-name", serving.served_model_name,
-        "--enable-lora",
-        "--lora-backend", serving.lora_backend,
-        "--lora-paths", f"{serving.adapter_name}={adapter_dir}",
-        "--max-running-requests", str(serving.max_running_requests),
-    ]
-    if serving.disable_cuda_graph:
-        args.append("--disable-cuda-graph")
-    if serving.context_length is not None:
-        args += ["--context-length", str(serving.context_length)]
-    if serving.chunked_prefill_size is not None:
-        args += ["--chunked-prefill-size", str(serving.chunked_prefill_size)]
-    if serving.mem_fraction_static is not None:
-        args += ["--mem-fraction-static", str(serving.mem_fraction_static)]
-    if serving.attention_backend is not None:
-        args += ["--attention-backend", serving.attention_backend]
-    args += ["--dtype", serving.dtype]
-    if serving.disable_radix_cache:
-        args.append("--disable-radix-cache")
-    args += serving.extra_args
-
-    python = str(Path(serve_python).absolute())  # not resolved: a venv's python is a symlink to the base
-    if api_key_env_present:
-        head, key_env = [python, "-c", launcher_code(serving.api_key_env)], serving.api_key_env
-    else:
-        head, key_env = [python, "-m", LAUNCH_MODULE], None
-    env = {"PYTHONUNBUFFERED": "1", **recipe.toolchains.serve.env}
-    if lora_cache_dir is not None:
-        env[LORA_CACHE_ENV] = str(Path(lora_cache_dir).absolute())
-    return SglangLaunch(argv=head + args, env=env, int8_threadpool_count=int8_t, api_key_env=key_env)
 
 
 # --------------------------------------------------------------------------- checks
@@ -352,33 +354,7 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
     is_int8 = manifest is not None and manifest.stage == QUANTIZE_INT8_STAGE
 
     if method == "AMXINT8":
-        if not is_int8:
-            raise InvalidInputError(
-                subject, f"is not a quantize-int8 output (no manifest.json with stage '{QUANTIZE_INT8_STAGE}'), but "
-                "serving.kt_method AMXINT8 reads kt-kernel's pre-quantized INT8 experts.",
-                "run the quantize-int8 stage and pass its output, or serve with kt_method BF16 from a BF16 checkpoint",
-            )
-        assert manifest is not None
-        quant_method = manifest.settings.get("method", "AMXINT8")
-        if quant_method != "AMXINT8":
-            raise InvalidInputError(subject, f"was quantized for kt-kernel method {quant_method!r}, not AMXINT8.",
-                                    "re-run quantize-int8, or set serving.kt_method to match")
-        quantized_t = manifest.settings.get("threadpool_count")
-        if type(quantized_t) is not int:
-            raise InvalidInputError(
-                f"{kt_dir / 'manifest.json'}: settings.threadpool_count",
-                f"is {quantized_t!r}; the INT8 layout depends on T, and this manifest does not say which.",
-                "re-run the quantize-int8 stage",
-            )
-        if quantized_t != t:
-            raise InvalidInputError(
-                "serving.kt_threadpool_count",
-                f"is {t}, but the AMXINT8 weights in {kt_dir} were quantized with threadpool_count {quantized_t} "
-                "(kt-kernel splits each expert into T NUMA slices; served with another T the slices do not match).",
-                f"set serving.kt_threadpool_count: {quantized_t}, or re-run quantize-int8 with T={t}",
-            )
-        return quantized_t
-
+        return _check_int8_weights(kt_dir, manifest if is_int8 else None, t)
     expected = _NATIVE_FORMATS[method]
     if is_int8:
         raise InvalidInputError(
@@ -400,6 +376,36 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
             f"natively from --kt-weight-path.", fix,
         )
     return None
+
+
+def _check_int8_weights(kt_dir: Path, manifest: StageManifest | None, t: int) -> int:
+    """AMXINT8 reads a quantize-int8 output made for this very T; return that T."""
+    subject = f"kt_weight_dir {kt_dir}"
+    if manifest is None:
+        raise InvalidInputError(
+            subject, f"is not a quantize-int8 output (no manifest.json with stage '{QUANTIZE_INT8_STAGE}'), but "
+            "serving.kt_method AMXINT8 reads kt-kernel's pre-quantized INT8 experts.",
+            "run the quantize-int8 stage and pass its output, or serve with kt_method BF16 from a BF16 checkpoint",
+        )
+    quant_method = manifest.settings.get("method", "AMXINT8")
+    if quant_method != "AMXINT8":
+        raise InvalidInputError(subject, f"was quantized for kt-kernel method {quant_method!r}, not AMXINT8.",
+                                "re-run quantize-int8, or set serving.kt_method to match")
+    quantized_t = manifest.settings.get("threadpool_count")
+    if type(quantized_t) is not int:
+        raise InvalidInputError(
+            f"{kt_dir / 'manifest.json'}: settings.threadpool_count",
+            f"is {quantized_t!r}; the INT8 layout depends on T, and this manifest does not say which.",
+            "re-run the quantize-int8 stage",
+        )
+    if quantized_t != t:
+        raise InvalidInputError(
+            "serving.kt_threadpool_count",
+            f"is {t}, but the AMXINT8 weights in {kt_dir} were quantized with threadpool_count {quantized_t} "
+            "(kt-kernel splits each expert into T NUMA slices; served with another T the slices do not match).",
+            f"set serving.kt_threadpool_count: {quantized_t}, or re-run quantize-int8 with T={t}",
+        )
+    return quantized_t
 
 
 def _check_adapter(adapter_dir: Path) -> None:

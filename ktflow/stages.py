@@ -1,29 +1,36 @@
 """The pipeline's stages, which of them a recipe needs, and what each needs of a host.
 
-This is the one place where stage names, their order, and the hardware capability each
-stage requires are written down. ``ktflow doctor`` reads it to say whether this host can
-run a recipe; the orchestration layer reads it to route stages to work pools.
+This is the one place where what a recipe asks of each stage's host is written down (the stage
+names, their order and the host-requirement type are :mod:`ktflow.runner`'s). ``ktflow doctor``
+reads it to say whether this host can run a recipe; the stage flows re-check it on the host that
+picked a run up.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel
 
-from ktflow.hardware import HostInfo, variant_at_least
+from ktflow.hardware import HostInfo
+from ktflow.pools import pool_for_stage
 from ktflow.recipe import (
     Recipe,
     int8_threadpool_count,
     needs_bf16_weights,
     needs_int8_weights,
 )
-
-StageName = Literal["download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate"]
-STAGE_ORDER: tuple[StageName, ...] = (
-    "download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate",
+from ktflow.runner import (  # the stage vocabulary lives with the runner; re-exported for the planners' callers
+    INT8_KERNELS,
+    STAGE_ORDER,
+    HostRequirement,
+    StageName,
+    check_requirement,
 )
 
+__all__ = [
+    "INT8_KERNELS", "STAGE_ORDER", "HostRequirement", "StageCheck", "StageName", "StagePlan", "StageSkipped",
+    "check_recipe_on_host", "check_requirement", "deferral_reason", "host_requirements", "plan_stages",
+    "prepared_for_another_host",
+]
 
 class StagePlan(BaseModel):
     """Whether a stage runs for a recipe, and why (or why not)."""
@@ -33,32 +40,11 @@ class StagePlan(BaseModel):
     reason: str
 
 
-class HostRequirement(BaseModel):
-    """What a stage needs of the host it runs on, with the reason for each need."""
-
-    stage: StageName
-    min_cpu_variant: str | None = None
-    cpu_reason: str = ""
-    min_gpus: int = 0
-    max_threads: int | None = None  # a recipe thread count that must not exceed physical cores
-    threads_field: str = ""
-
-
 class StageSkipped(BaseModel):
     """What a stage returns when the host that picked it up leaves it to another (and why)."""
 
     stage: StageName
     reason: str
-
-
-INT8_KERNELS = HostRequirement(
-    stage="quantize-int8",
-    # Checked with kt-kernel 0.7.2: its avx512_base build quantizes and runs AMXINT8 within the
-    # verification bound (VNNI and AMX builds are faster); its avx2 build has no INT8 MoE class.
-    min_cpu_variant="avx512_base",
-    cpu_reason="kt-kernel's INT8 MoE kernels (AMXINT8) need AVX512F + AVX512BW; its avx2 build has none",
-)
-"""What running kt-kernel's INT8 MoE kernels (quantize-int8, AMXINT8 serving) needs of a host."""
 
 
 class StageCheck(BaseModel):
@@ -101,8 +87,6 @@ def prepared_for_another_host(recipe: Recipe) -> set[StageName]:
 
 def deferral_reason(stage: StageName, missing: list[str]) -> str:
     """Why ``stage`` is skipped on this host, and where it runs instead."""
-    from ktflow.pools import pool_for_stage
-
     pool = pool_for_stage(stage).name
     return (f"skipped on this host: {'; '.join(missing)}. No later stage of this run reads its output; it runs on "
             f"a host of pool {pool} (start one there with `ktflow worker --pool {pool}`), or run `ktflow {stage}` "
@@ -166,24 +150,17 @@ def host_requirements(recipe: Recipe) -> dict[StageName, HostRequirement]:
     reqs: dict[StageName, HostRequirement] = {name: HostRequirement(stage=name) for name in STAGE_ORDER}
 
     if sft.backend == "kt":
+        # kt-kernel 0.7 builds its SFT kernels only for these two variants.
         reqs["sft"] = HostRequirement(
-            stage="sft",
-            # kt-kernel 0.7 builds its SFT kernels only for these two variants.
-            min_cpu_variant="avx512_bf16",
+            stage="sft", min_cpu_variant="avx512_bf16", min_gpus=sft.gpus,
             cpu_reason="KT 0.7 SFT kernels exist only in kt-kernel's avx512_bf16 and amx builds",
-            min_gpus=sft.gpus,
             max_threads=sft.kt_config.kt_num_threads if sft.kt_config else None,
             threads_field="sft.kt_config.kt_num_threads",
         )
     elif sft.backend == "kt-legacy":
-        reqs["sft"] = HostRequirement(
-            stage="sft",
-            min_cpu_variant="amx",
-            cpu_reason="KT before 0.7 trains with AMX kernels only",
-            min_gpus=sft.gpus,
-            max_threads=sft.cpu_infer,
-            threads_field="sft.cpu_infer",
-        )
+        reqs["sft"] = HostRequirement(stage="sft", min_cpu_variant="amx", min_gpus=sft.gpus,
+                                      cpu_reason="KT before 0.7 trains with AMX kernels only",
+                                      max_threads=sft.cpu_infer, threads_field="sft.cpu_infer")
     else:
         reqs["sft"] = HostRequirement(stage="sft", min_gpus=sft.gpus)
 
@@ -206,30 +183,14 @@ def host_requirements(recipe: Recipe) -> dict[StageName, HostRequirement]:
     return reqs
 
 
-def check_requirement(req: HostRequirement, host: HostInfo) -> list[str]:
-    """What this host lacks for a stage, as sentences a user can act on (empty: runnable)."""
-    missing: list[str] = []
-    if req.min_cpu_variant and not variant_at_least(host.runnable_variant, req.min_cpu_variant):
-        missing.append(
-            f"{req.stage} needs a {req.min_cpu_variant} CPU or better ({req.cpu_reason}); "
-            f"this CPU is {host.describe_cpu()}"
-        )
-    if req.min_gpus > len(host.gpus):
-        missing.append(f"{req.stage} needs {req.min_gpus} GPU(s); this host has {len(host.gpus)}")
-    if req.max_threads is not None and req.max_threads > host.physical_cores:
-        missing.append(
-            f"{req.threads_field} is {req.max_threads} but this host has {host.physical_cores} "
-            "physical cores; lower it (threads beyond physical cores slow KT down)"
-        )
-    return missing
-
-
 def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:
     """The doctor's table: every stage of the recipe, whether it runs, and whether it can run here."""
     reqs = host_requirements(recipe)
     checks = []
     for plan in plan_stages(recipe, host):
         missing = check_requirement(reqs[plan.stage], host) if plan.needed else []
+        if plan.stage == "sft" and plan.needed and not missing:
+            missing = _sft_size_problems(recipe, host)
         checks.append(
             StageCheck(
                 stage=plan.stage,
@@ -241,3 +202,19 @@ def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:
         )
     return checks
 
+
+def _sft_size_problems(recipe: Recipe, host: HostInfo) -> list[str]:
+    """The SFT stage's GPU-memory preflight (``ktflow.sft.check_hf_fits_gpus``), where the model is
+    already on this host (a local source, or a hub source downloaded): headers only, no download."""
+    from ktflow.errors import CheckpointError
+    from ktflow.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
+    from ktflow.weights import expected_source
+
+    source = expected_source(recipe)
+    if not (source / "config.json").is_file():
+        return []
+    try:
+        problem = sft_gpu_memory_problem(recipe, host, source)
+    except CheckpointError as exc:
+        return [f"sft cannot size the model: {exc}"]
+    return [f"sft: {problem} Fix: {HF_DOES_NOT_FIT_FIX}"] if problem else []

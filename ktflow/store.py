@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -209,24 +210,56 @@ def space_margin(need: int, files: int = 1) -> int:
     return int(need * 1.01) + 4096 * (files + 4)
 
 
+class InsufficientDiskError(HostRequirementError):
+    """A filesystem has less free space than a stage still has to write there (exit 2, before any work).
+
+    ``need`` is what was asked for (margin included), ``free`` what the filesystem has.
+    """
+
+    def __init__(self, subject: str, reason: str, fix: str | None = None, *, need: int, free: int) -> None:
+        self.need = need
+        self.free = free
+        super().__init__(subject, reason, fix)
+
+
+_FREE_SPACE_FIX = ("free space there, or write the artifact to a larger filesystem, then rerun "
+                   "(finished parts in the staging directory are reused).")
+
+
+def free_space_shortfall(at: Path, need: int, *, what: str, files: int = 1, overhead: float | None = None,
+                         subject: str | None = None, fix: str | None = None) -> InsufficientDiskError | None:
+    """The error to raise when the filesystem holding ``at`` cannot take ``need`` more bytes, else None.
+
+    Args:
+        at: a directory on the filesystem (or one to be created there).
+        need: the bytes still to write; ``files``: how many files they make.
+        what: the subject of the sentence, e.g. ``"the BF16 output"``.
+        overhead: None adds :func:`space_margin`; a number asks for exactly ``need * overhead``.
+        subject, fix: of the error (default: ``at``, and "free space there ...").
+    """
+    want = space_margin(need, files) if overhead is None else math.ceil(need * overhead)
+    free = free_bytes(at)
+    if want <= free:
+        return None
+    return InsufficientDiskError(
+        subject or str(at),
+        f"{what} needs ~{human_bytes(want)} ({want} bytes) more on this filesystem; "
+        f"{existing_ancestor(at)} has {human_bytes(free)} ({free} bytes) free",
+        fix or _FREE_SPACE_FIX, need=want, free=free,
+    )
+
+
 def check_free_space(final_dir: Path, need: int, *, what: str, files: int = 1) -> None:
     """Preflight: refuse to start writing ``need`` bytes (``files`` files) for ``final_dir`` when
     its filesystem has less free (with :func:`space_margin`), before anything is written.
 
     Raises:
-        HostRequirementError: naming the directory, the bytes needed and the bytes free (exit 2).
+        InsufficientDiskError: naming the directory, the bytes needed and the bytes free (exit 2).
     """
     final_dir = Path(final_dir)
-    want = space_margin(need, files)
-    free = free_bytes(final_dir.parent)
-    if want > free:
-        raise HostRequirementError(
-            str(final_dir),
-            f"{what} needs ~{human_bytes(want)} ({want} bytes) more on this filesystem; "
-            f"{existing_ancestor(final_dir.parent)} has {human_bytes(free)} ({free} bytes) free",
-            "free space there, or write the artifact to a larger filesystem, then rerun "
-            "(finished parts in the staging directory are reused).",
-        )
+    shortfall = free_space_shortfall(final_dir.parent, need, what=what, files=files, subject=str(final_dir))
+    if shortfall is not None:
+        raise shortfall
 
 
 @contextmanager
@@ -296,55 +329,14 @@ def artifact_lock(
     """
     final_dir = Path(final_dir)
     path = lock_path_for(final_dir)
-    say = on_wait or log.warning
     created: list[Path] = []  # directories made for the lock file, removed with it if still empty
     while True:
-        try:
-            missing = [d for d in [path.parent, *path.parent.parents] if not d.exists()]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            created += [d for d in missing if d not in created]
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:  # another holder removed the directory it had made: make it again
-            continue
-        except OSError as exc:
-            if exc.errno not in _NO_SPACE | _NOT_WRITABLE:
-                raise
-            if read_manifest(final_dir) is not None:  # published: readers need no lock
-                yield
-                return
-            raise HostRequirementError(
-                str(final_dir.parent),
-                f"cannot create {path.name} there to write {final_dir.name}: {os.strerror(exc.errno or 0)}",
-                "make the directory writable (a read-only mount or another user's directory cannot hold the "
-                "artifact), or choose another output directory / store.root.",
-            ) from exc
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = _lock_owner(fd)
-                for _ in range(20):  # the holder writes its note just after locking: give it a moment
-                    if "pid " in owner:
-                        break
-                    time.sleep(0.05)
-                    owner = _lock_owner(fd)
-                if not wait:
-                    raise ArtifactBusyError(
-                        f"{final_dir} is being written by {owner} (lock {path}); wait for it to finish, or rerun "
-                        "without fail-fast to wait") from None
-                say(f"waiting for {final_dir}: it is being written by {owner} (lock {path})")
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # the previous holder removed the file after we opened it: lock the current one
-                os.close(fd)
-                continue
-        except BaseException:
-            os.close(fd)
-            raise
-        break
+        fd = _open_lock_file(path, final_dir, created)
+        if fd is None:  # it cannot be created, but the artifact is published: readers need no lock
+            yield
+            return
+        if _lock(fd, path, final_dir, wait=wait, say=on_wait or log.warning):
+            break
     try:
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -355,13 +347,72 @@ def artifact_lock(
             pass
         yield
     finally:
+        _unlock(fd, path, created)
+
+
+def _open_lock_file(path: Path, final_dir: Path, created: list[Path]) -> int | None:
+    """The lock file, opened (created, with the directories it needs, which go into ``created``);
+    None when it cannot be created but ``final_dir`` is published (nothing will be written)."""
+    while True:
         try:
-            path.unlink()  # while still holding it: a waiter re-checks the inode and locks afresh
+            missing = [d for d in [path.parent, *path.parent.parents] if not d.exists()]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created += [d for d in missing if d not in created]
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # another holder removed the directory it had made: make it again
+            continue
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE | _NOT_WRITABLE:
+                raise
+            if read_manifest(final_dir) is not None:
+                return None
+            raise HostRequirementError(
+                str(final_dir.parent),
+                f"cannot create {path.name} there to write {final_dir.name}: {os.strerror(exc.errno or 0)}",
+                "make the directory writable (a read-only mount or another user's directory cannot hold the "
+                "artifact), or choose another output directory / store.root.",
+            ) from exc
+
+
+def _lock(fd: int, path: Path, final_dir: Path, *, wait: bool, say: Callable[[str], None]) -> bool:
+    """Lock ``fd`` (waiting for the holder, unless not ``wait``). False, with ``fd`` closed, when the
+    file at ``path`` was replaced meanwhile (the previous holder removed it): lock the current one."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _lock_owner(fd)
+            for _ in range(20):  # the holder writes its note just after locking: give it a moment
+                if "pid " in owner:
+                    break
+                time.sleep(0.05)
+                owner = _lock_owner(fd)
+            if not wait:
+                raise ArtifactBusyError(
+                    f"{final_dir} is being written by {owner} (lock {path}); wait for it to finish, or rerun "
+                    "without fail-fast to wait") from None
+            say(f"waiting for {final_dir}: it is being written by {owner} (lock {path})")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+    except BaseException:
+        os.close(fd)
+        raise
+    if not same:
+        os.close(fd)
+    return same
+
+
+def _unlock(fd: int, path: Path, created: list[Path]) -> None:
+    try:
+        path.unlink()  # while still holding it: a waiter re-checks the inode and locks afresh
+    except OSError:
+        pass
+    os.close(fd)
+    for directory in created:  # deepest first: the lock leaves no trace of its own
+        try:
+            directory.rmdir()
         except OSError:
             pass
-        os.close(fd)
-        for directory in created:  # deepest first: the lock leaves no trace of its own
-            try:
-                directory.rmdir()
-            except OSError:
-                pass

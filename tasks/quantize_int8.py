@@ -21,15 +21,9 @@ def _cache_key(inputs: dict[str, Any]) -> str | None:
                                   inputs["threadpool_count"])
 
 
-@task(
-    name="quantize-int8",
-    cache_policy=StageCachePolicy("quantize-int8", _cache_key),
-    cache_result_in_memory=False,
-    # A retry resumes per layer: finished layers in the staging dir are reused.
-    retries=2,
-    retry_delay_seconds=30,
-    retry_condition_fn=retry_unless_invalid_input,
-)
+# A retry resumes per layer: finished layers in the staging dir are reused.
+@task(name="quantize-int8", cache_policy=StageCachePolicy("quantize-int8", _cache_key), cache_result_in_memory=False,
+      retries=2, retry_delay_seconds=30, retry_condition_fn=retry_unless_invalid_input)
 def quantize_int8_task(bf16_dir: str, out_dir: str, threadpool_count: int, serve_python: str,
                        workers: int | None = None, skip_without_kernels: bool = False
                        ) -> QuantizeInt8Result | StageSkipped:

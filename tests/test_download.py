@@ -14,6 +14,7 @@ import pytest
 from hubserver import FakeHub, FakeRepo
 
 import ktflow.download as dl
+import ktflow.store as store
 from ktflow.download import (
     ChecksumMismatchError,
     DownloadError,
@@ -324,7 +325,7 @@ def test_preflight_refuses_before_fetching(
     hub: FakeHub, repo: FakeRepo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     total = sum(len(b) for b in repo.files.values())
-    monkeypatch.setattr(dl, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(store, "free_bytes", lambda path: 1000)
     with pytest.raises(InsufficientDiskError) as err:
         download_checkpoint(hub_source(), tmp_path, endpoint=hub.url)
     assert isinstance(err.value, InvalidInputError)
@@ -342,11 +343,11 @@ def test_preflight_counts_only_files_still_missing(
     hub.corrupt.clear()
 
     need = len(repo.files[WEIGHTS])
-    monkeypatch.setattr(dl, "_free_bytes", lambda path: need - 1)
+    monkeypatch.setattr(store, "free_bytes", lambda path: need - 1)
     with pytest.raises(InsufficientDiskError) as err:
         download_checkpoint(hub_source(), tmp_path, endpoint=hub.url)
     assert err.value.need == need
-    monkeypatch.setattr(dl, "_free_bytes", lambda path: need)
+    monkeypatch.setattr(store, "free_bytes", lambda path: need)
     assert download_checkpoint(hub_source(), tmp_path, endpoint=hub.url).files == len(repo.files)
 
 

@@ -177,15 +177,9 @@ json.dump(report, open(report_path, "w"))
 # The stage's CLI, with the free-space reading patched to lie, so the preflight passes and the
 # writes meet the real full disk (as when another process fills it after the check).
 _LYING_FREE_SPACE = r"""
-import shutil, sys
-import ktflow.store, ktflow.download
-big = shutil._ntuple_diskusage(1 << 45, 0, 1 << 45)
-ktflow.store.free_bytes = lambda path: 1 << 45
-ktflow.download._free_bytes = lambda path: 1 << 45
-import ktflow.quantize_int8
-ktflow.quantize_int8.shutil = type(sys)("shutil_lying")
-ktflow.quantize_int8.shutil.__dict__.update(shutil.__dict__)
-ktflow.quantize_int8.shutil.disk_usage = lambda path: big
+import sys
+import ktflow.store
+ktflow.store.free_bytes = lambda path: 1 << 45  # every stage's preflight reads free space through it
 from ktflow.cli import main
 sys.exit(main(sys.argv[1:]))
 """

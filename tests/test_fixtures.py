@@ -357,3 +357,315 @@ def test_full_size_refuses_other_kinds_and_tiny_dims(dims: dict, option: str) ->
         FixtureSpec(full_size=True, **dims)
     assert str(info.value).startswith(f"{option}: ")
     assert info.value.fix
+
+
+# --------------------------------------------------------------------------- kimi-k2.5, bigger than the GPU (streamed)
+
+# A streamed checkpoint at reduced widths but the real structure (MLA, top-8, several MoE layers):
+# small enough for a CPU test, large enough that holding it whole would show in memory.
+REDUCED = {"experts": 16, "experts_per_tok": 8, "hidden": 512, "moe_intermediate": 256, "intermediate": 1024,
+           "heads": 4, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+           "v_head_dim": 64}
+H100_GPU_BYTES = 81559 * 2**20  # what nvidia-smi reports for an H100 80GB HBM3 (85.5 GB)
+BIG_SPEC = FixtureSpec(kind="kimi-k2.5", size="bigger-than-gpu")
+
+
+def reduced(layers: int = 4, **dims: int):
+    from ktflow.fixture_stream import MoeDims
+
+    return MoeDims(**{**REDUCED, "layers": layers, **dims})
+
+
+@pytest.fixture(scope="module")
+def streamed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A streamed kimi-k2.5 fixture at reduced dimensions (read-only)."""
+    return make_fixture(BIG_SPEC, tmp_path_factory.mktemp("streamed") / "model", dims=reduced())
+
+
+def headers_of(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """``{tensor: (dtype, shape, shard)}`` from the shard headers."""
+    out = {}
+    for shard in sorted(set(index_of(path)["weight_map"].values())):
+        for name, info in read_header(path / shard).tensors.items():
+            out[name] = (info.dtype, info.shape, shard)
+    return out
+
+
+def test_bigger_than_gpu_holds_more_bf16_than_an_h100_and_its_int4_fits_the_host_disk() -> None:
+    """From the plan and on the meta device: nothing of the 114 GB is allocated."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from ktflow.fixture_stream import BIGGER_THAN_GPU, deepseek_v3_config, parameter_count, plan_shards
+    from ktflow.fixtures import streamed_bytes, streamed_parameters
+
+    params = streamed_parameters(BIGGER_THAN_GPU, vocab_size=402)
+    assert params >= 55e9 and 2 * params >= 1.3 * 80e9 and 2 * params >= 1.3 * H100_GPU_BYTES, params
+    on_disk = streamed_bytes(BIGGER_THAN_GPU)
+    assert 30e9 <= on_disk <= 36e9, on_disk  # the host's disk is 64 GiB
+    shards = plan_shards(BIGGER_THAN_GPU, vocab_size=402, pad_id=0)
+    # Everything but the routed experts stays BF16 and goes to the GPU under KT: it must fit easily.
+    non_expert = sum(t.nbytes for shard in shards for t in shard if ".experts." not in t.name)
+    assert non_expert < 4e9, non_expert
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(deepseek_v3_config(BIGGER_THAN_GPU, vocab_size=402, eos_id=2, pad_id=0))
+    counted = sum(p.numel() for p in model.parameters())  # transformers keeps the routing bias as a buffer
+    buffers = sum(t.parameters for shard in shards for t in shard if t.init == "bias")
+    assert counted == parameter_count(shards) - buffers
+
+
+def test_bigger_than_gpu_shapes_are_what_transformers_builds_for_its_dims() -> None:
+    """Every planned tensor has the shape transformers' own DeepseekV3ForCausalLM gives it at the
+    bigger-than-gpu dims (meta device; routed experts are fused there, packed INT4 per expert here)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from ktflow.fixture_stream import BIGGER_THAN_GPU, deepseek_v3_config, plan_shards
+
+    dims = BIGGER_THAN_GPU
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(deepseek_v3_config(dims, vocab_size=402, eos_id=2, pad_id=0))
+    reference = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    planned = {t.name.removeprefix("language_model."): t for shard in plan_shards(dims, vocab_size=402, pad_id=0)
+               for t in shard}
+    dense = {n: t for n, t in planned.items() if ".experts." not in n}
+    assert set(dense) == set(reference) - {n for n in reference if ".experts." in n}
+    assert all(dense[n].shape == reference[n] for n in dense), [n for n in dense if dense[n].shape != reference[n]]
+    fused_gate_up = reference["model.layers.3.mlp.experts.gate_up_proj"]
+    fused_down = reference["model.layers.3.mlp.experts.down_proj"]
+    assert fused_gate_up == (dims.experts, 2 * dims.moe_intermediate, dims.hidden)
+    assert fused_down == (dims.experts, dims.hidden, dims.moe_intermediate)
+    expert = "model.layers.3.mlp.experts.179"
+    assert planned[f"{expert}.gate_proj.weight_packed"].shape == (dims.moe_intermediate, dims.hidden // 8)
+    assert planned[f"{expert}.gate_proj.weight_scale"].shape == (dims.moe_intermediate, dims.hidden // 32)
+    assert planned[f"{expert}.down_proj.weight_packed"].shape == (dims.hidden, dims.moe_intermediate // 8)
+    assert planned[f"{expert}.down_proj.weight_shape"].content == (dims.hidden, dims.moe_intermediate)
+    experts = {n.split(".experts.")[1].split(".")[0] for n in planned if ".layers.7.mlp.experts." in n}
+    assert len(experts) == dims.experts and f"model.layers.{dims.layers}.input_layernorm.weight" not in planned
+
+
+def test_streamed_layout_at_tiny_dims_is_the_tiny_fixture(fixture_dir, tmp_path: Path) -> None:
+    """The streamed writer at the tiny fixture's dimensions gives what transformers + compressed-tensors
+    give: the same files, tensor names, dtypes, shapes and shards, index and config.json."""
+    from ktflow.fixtures import tiny_dims
+
+    tiny = fixture_dir("kimi-k2.5")
+    streamed = make_fixture(BIG_SPEC, tmp_path / "streamed", dims=tiny_dims(FixtureSpec(kind="kimi-k2.5")))
+    assert sorted(p.name for p in streamed.iterdir()) == sorted(p.name for p in tiny.iterdir())
+    assert headers_of(streamed) == headers_of(tiny)
+    assert index_of(streamed) == index_of(tiny)
+    assert config_of(streamed) == config_of(tiny)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "modeling_kimi_k25.py", "configuration_kimi_k25.py"):
+        assert (streamed / name).read_bytes() == (tiny / name).read_bytes(), name
+
+
+def test_bigger_than_gpu_config_differs_from_the_tiny_one_only_in_its_dimensions(fixture_dir, tmp_path: Path) -> None:
+    from ktflow.fixture_stream import BIGGER_THAN_GPU
+    from ktflow.fixtures import streamed_config
+
+    tiny = config_of(fixture_dir("kimi-k2.5"))
+    big = streamed_config(BIGGER_THAN_GPU, vocab_size=402, eos_id=2, pad_id=0, scratch=tmp_path / "scratch")
+    assert not (tmp_path / "scratch").exists()
+    assert big.keys() == tiny.keys() and big["text_config"].keys() == tiny["text_config"].keys()
+    assert big["text_config"]["quantization_config"] == tiny["text_config"]["quantization_config"]
+    dims = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 8,
+            "n_routed_experts": 180, "num_experts_per_tok": 8, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "qk_head_dim": 192, "head_dim": 64}
+    assert {k: big["text_config"][k] for k in dims} == dims
+    assert dims["hidden_size"] == BIGGER_THAN_GPU.hidden and dims["n_routed_experts"] == BIGGER_THAN_GPU.experts
+    differ = {k for k in tiny["text_config"] if tiny["text_config"][k] != big["text_config"][k]}
+    assert differ == set(dims)
+    assert big["vision_config"] == {**tiny["vision_config"], "text_hidden_size": 7168}
+    assert {k: v for k, v in big.items() if k not in ("text_config", "vision_config")} == \
+        {k: v for k, v in tiny.items() if k not in ("text_config", "vision_config")}
+
+
+def _intended_codes(seed: int, name: str, rows: int, cols: int) -> torch.Tensor:
+    """What the fast INT4 path means to store, derived here the slow way: the tensor's generator
+    draws ``rows * cols / 16`` int64 words; byte k of a row (little-endian) holds column 2k in its
+    low nibble and 2k+1 in its high one; a nibble n stands for code n - 8, and 0 is replaced by 8."""
+    from ktflow.fixture_stream import tensor_seed
+
+    generator = torch.Generator().manual_seed(tensor_seed(seed, name))
+    words = torch.empty(rows * cols // 16, dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    codes = []
+    for word in words.tolist():
+        for byte in (word & (2**64 - 1)).to_bytes(8, "little"):
+            for nibble in (byte & 15, byte >> 4):
+                codes.append((nibble or 8) - 8)
+    return torch.tensor(codes, dtype=torch.int8).view(rows, cols)
+
+
+def test_fast_int4_packing_decodes_to_the_intended_codes_with_compressed_tensors(streamed_dir: Path) -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    tensors = all_tensors(streamed_dir)
+    module = "language_model.model.layers.2.mlp.experts.5.down_proj"
+    packed, shape = tensors[f"{module}.weight_packed"], tensors[f"{module}.weight_shape"]
+    assert packed.dtype == torch.int32 and shape.dtype == torch.int32 and shape.tolist() == [512, 256]
+    intended = _intended_codes(0, f"{module}.weight_packed", 512, 256)
+    assert torch.equal(unpack_from_int32(packed, 4, shape), intended)
+    assert torch.equal(pack_to_int32(intended, 4), packed)  # compressed-tensors packs those codes to these bytes
+    codes = torch.cat([unpack_from_int32(tensors[n], 4, tensors[n.replace("_packed", "_shape")]).flatten()
+                       for n in tensors if n.endswith(".weight_packed")])
+    counts = torch.bincount((codes.long() + 8), minlength=16)
+    assert counts[0] == 0 and (counts[1:] > 0).all()  # Kimi's grid [-7, 7]: no -8
+    assert abs(counts[8] / counts.sum() - 2 / 16) < 0.01  # 0 takes the draws of -8
+
+
+def test_streamed_int4_decodes_the_same_with_ktflow_and_compressed_tensors(streamed_dir: Path, tmp_path: Path) -> None:
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer, convert_checkpoint
+
+    from ktflow.dequantize import dequantize_checkpoint
+
+    dequantize_checkpoint(streamed_dir, tmp_path / "ktflow", workers=2)
+    convert_checkpoint(streamed_dir, tmp_path / "ct", converter=CompressedTensorsDequantizer(streamed_dir,
+                       dtype=torch.bfloat16), max_workers=1, device="cpu")
+    ours, theirs = all_tensors(tmp_path / "ktflow"), all_tensors(tmp_path / "ct")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    experts = torch.cat([t.float().flatten() for n, t in ours.items() if ROUTED.search(n)])
+    assert experts.numel() == 3 * 16 * 3 * 512 * 256
+    assert 0.019 < experts.std().item() < 0.021 and abs(experts.mean().item()) < 1e-3
+
+
+def test_streamed_fixture_loads_with_its_remote_code_and_gives_finite_logits(streamed_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ktflow.dequantize import dequantize_checkpoint
+
+    bf16 = dequantize_checkpoint(streamed_dir, tmp_path / "bf16", workers=2).path
+    model, loading = AutoModelForCausalLM.from_pretrained(bf16, trust_remote_code=True, dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert type(model).__name__ == "KimiK25ForConditionalGeneration"
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
+    tensors = all_tensors(streamed_dir)
+    loaded = model.language_model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(loaded, tensors["language_model.model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert model.language_model.model.embed_tokens.weight[0].abs().max() == 0  # the padding row, as transformers'
+    with torch.no_grad():
+        logits = model(torch.arange(3, 19).unsqueeze(0)).logits
+    assert logits.shape == (1, 16, config_of(streamed_dir)["text_config"]["vocab_size"])
+    assert torch.isfinite(logits).all() and logits.std() > 0.01
+
+
+def test_streamed_values_depend_on_the_seed_only_not_on_the_workers(tmp_path: Path) -> None:
+    from ktflow.fixture_stream import plan_shards, write_shards
+
+    dims = reduced(layers=3)
+    shards = plan_shards(dims, vocab_size=402, pad_id=0)
+    for name, workers, seed in (("one", 1, 0), ("three", 3, 0), ("seed1", 2, 1)):
+        (tmp_path / name).mkdir()
+        write_shards(shards, tmp_path / name, seed=seed, workers=workers, fsync=False)
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert len(files) == 3
+    assert all((tmp_path / "one" / f).read_bytes() == (tmp_path / "three" / f).read_bytes() for f in files)
+    one, seed1 = all_tensors_in(tmp_path / "one"), all_tensors_in(tmp_path / "seed1")
+    assert one.keys() == seed1.keys()
+    drawn = [n for n in one if not n.endswith(("norm.weight", "layernorm.weight", "weight_shape"))]
+    assert all(not torch.equal(one[n], seed1[n]) for n in drawn)
+    first_values = {tuple(one[n].flatten()[:16].tolist()) for n in drawn}
+    assert len(first_values) == len(drawn)  # every tensor is its own draw
+
+
+def all_tensors_in(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+_MEMORY_PROBE = """
+import json, os, sys
+import psutil
+from ktflow.fixture_stream import MoeDims
+from ktflow.fixtures import FixtureSpec, make_fixture
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # two writer threads on any machine: a fixed bound
+spec, dims = FixtureSpec(kind="kimi-k2.5", size="bigger-than-gpu"), MoeDims.model_validate_json(sys.argv[2])
+# A 2-layer warm-up at tiny widths first: what it imports (transformers' config and tokenizer
+# classes, the remote code) is part of the baseline, not of what generating costs.
+make_fixture(spec, sys.argv[1] + "-warmup", dims=dims.model_copy(update={"layers": 2, "experts": 2, "hidden": 128,
+             "moe_intermediate": 128, "intermediate": 128}))
+base = psutil.Process().memory_info().rss
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+make_fixture(spec, sys.argv[1], dims=dims)
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"growth": peak - base}))
+"""
+
+
+def test_streamed_generation_keeps_memory_flat_as_layers_are_added(tmp_path: Path) -> None:
+    """Peak RSS of the writer with 3 and with 10 layers (each MoE layer ~60 MB on disk, ~110 MB in
+    BF16): holding the model would add 7 layers; streaming adds less than half of one."""
+    import subprocess
+    import sys
+
+    from ktflow.fixture_stream import plan_shards
+
+    growth = {}
+    for layers in (3, 10):
+        dims = reduced(layers=layers, experts=64, hidden=1024, moe_intermediate=512, intermediate=2048)
+        done = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(tmp_path / f"l{layers}"), dims.model_dump_json()],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        growth[layers] = json.loads(done.stdout.strip().splitlines()[-1])["growth"]
+    layer_bytes = sum(t.nbytes for t in plan_shards(dims, vocab_size=402, pad_id=0)[1])
+    model_bytes = sum(p.stat().st_size for p in (tmp_path / "l10").glob("*.safetensors"))
+    assert model_bytes > 9 * layer_bytes > 9 * 50e6
+    assert growth[10] - growth[3] < layer_bytes / 2, (growth, layer_bytes)
+    assert growth[10] < model_bytes / 4, (growth, model_bytes)
+
+
+def test_streamed_fixture_reports_each_shard_and_leaves_nothing_on_failure(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    make_fixture(BIG_SPEC, tmp_path / "ok", dims=reduced(layers=3), progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+
+    def fail_after_first(done: int, total: int) -> None:
+        raise KeyboardInterrupt  # as Ctrl-C between shards
+
+    with pytest.raises(KeyboardInterrupt):
+        make_fixture(BIG_SPEC, tmp_path / "cut", dims=reduced(layers=3), progress=fail_after_first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+
+
+def test_bigger_than_gpu_checks_free_disk_before_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ktflow.store
+    from ktflow.errors import HostRequirementError
+
+    monkeypatch.setattr(ktflow.store, "free_bytes", lambda path: 20 << 30)
+    with pytest.raises(HostRequirementError) as info:
+        make_fixture(BIG_SPEC, tmp_path / "big")
+    assert "bigger-than-gpu kimi-k2.5 fixture needs ~32" in info.value.reason and "20.0 GiB" in info.value.reason
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("dims", "option"),
+    [({"kind": "kimi-k2"}, "--size bigger-than-gpu with kimi-k2"), ({"kind": "kimi-k2.5", "experts": 4}, "--experts 4"),
+     ({"kind": "kimi-k2.5", "hidden": 512}, "--hidden 512")],
+)
+def test_bigger_than_gpu_refuses_other_kinds_and_tiny_dims(dims: dict, option: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        FixtureSpec(size="bigger-than-gpu", **dims)
+    assert str(info.value).startswith(f"{option}: ")
+    assert info.value.fix
+
+
+def test_dims_override_is_for_streamed_sizes_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="streamed sizes"):
+        make_fixture(FixtureSpec(kind="kimi-k2.5"), tmp_path / "x", dims=reduced())
+    assert not (tmp_path / "x").exists()
+
+
+def test_fixture_sizes_in_the_cli_are_the_fixture_module_sizes() -> None:
+    """The CLI spells them out (``ktflow --help`` must not import torch)."""
+    import argparse
+
+    from ktflow.cli import build_parser
+    from ktflow.fixtures import FIXTURE_SIZES, STREAMED_SIZES
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    size = next(a for a in subparsers.choices["fixture"]._actions if a.dest == "size")
+    assert tuple(size.choices) == FIXTURE_SIZES and set(STREAMED_SIZES) == set(FIXTURE_SIZES) - {"tiny"}

@@ -140,11 +140,12 @@ def test_missing_toolchain_is_a_host_requirement(fixture_dir, tmp_path: Path) ->
 
 
 def test_too_little_ram_or_scratch_is_refused(fixture_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ktflow.hardware as hardware
     import ktflow.quantize_int8 as stage
 
-    real = stage.probe_host
+    real = hardware.probe_host
     # An AVX512 host whatever this CPU is (the RAM refusal is tested on every CPU), short of RAM.
-    monkeypatch.setattr(stage, "probe_host", lambda path=None: real(path).model_copy(update={
+    monkeypatch.setattr(hardware, "probe_host", lambda path=None: real(path).model_copy(update={
         "ram_available_bytes": 1 << 20, "cpu_variant": "avx512_bf16", "native_cpu_variant": "avx512_bf16"}))
     monkeypatch.setattr(stage, "_toolchain_versions", lambda python: {"kt-kernel": "0.7.2"})
     fake_python = tmp_path / "python"
@@ -160,10 +161,11 @@ def test_a_cpu_without_the_int8_kernels_is_refused_before_any_work(advertised: s
                                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # On every CPU: an AVX2 CPU, a fake AVX512 advertisement on one (kt-kernel would die on an
     # illegal instruction), and kt-kernel forced down to its avx2 build on an AMX CPU.
+    import ktflow.hardware as hardware
     import ktflow.quantize_int8 as stage
 
-    real = stage.probe_host
-    monkeypatch.setattr(stage, "probe_host", lambda path=None: real(path).model_copy(update={
+    real = hardware.probe_host
+    monkeypatch.setattr(hardware, "probe_host", lambda path=None: real(path).model_copy(update={
         "cpu_model": "Test CPU", "cpu_variant": advertised, "native_cpu_variant": native,
         "cpu_variant_overridden": advertised != native}))
     monkeypatch.setattr(stage, "_toolchain_versions", lambda python: {"kt-kernel": "0.7.2"})

@@ -43,6 +43,7 @@ and forward then run on the CPU, synchronously (``copy_inputs_to_cpu_buffers`` +
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -51,7 +52,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,7 +309,7 @@ def quantize_layer(plan: dict[str, Any], entry: dict[str, Any], source: _Source,
                 sources[expert_key(layer, proj, expert, numa, "scale")] = kt_file(
                     scratch, layer, numa, proj, expert, scales * 4, "scale")
     try:
-        with SafetensorsWriter(tmp, tensors, metadata=None) as writer:
+        with _into_place(tmp, final, staging, plan["fsync"]), SafetensorsWriter(tmp, tensors, metadata=None) as writer:
             for name, dtype, shape in tensors:
                 path = sources[name]
                 nbytes = DTYPE_SIZES[dtype] * shape[0]
@@ -331,12 +332,6 @@ def quantize_layer(plan: dict[str, Any], entry: dict[str, Any], source: _Source,
                         done += got
                 writer.write(name, view.view(torch.int8 if dtype == "I8" else torch.float32).reshape(shape))
             writer.close(fsync=plan["fsync"])
-        os.replace(tmp, final)
-        if plan["fsync"]:
-            _fsync_dir(staging)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     finally:
         shutil.rmtree(scratch / f"_layer_{layer}", ignore_errors=True)
 
@@ -388,63 +383,101 @@ def write_non_expert(plan: dict[str, Any], source: _Source, staging: Path) -> st
     tensors = safetensors_order(tensors)
     if final.exists() and _header_matches(final, tensors):
         return "reused"
+    with _into_place(tmp, final, staging, plan["fsync"]), SafetensorsWriter(tmp, tensors, metadata=None) as writer:
+        for out_name, _, _ in tensors:
+            file, name = origin[out_name]
+            writer.write(out_name, read_tensor(source.header(file), name))
+        writer.close(fsync=plan["fsync"])
+    return "done"
+
+
+@contextlib.contextmanager
+def _into_place(tmp: Path, final: Path, staging: Path, fsync: bool) -> Iterator[None]:
+    """A shard written as ``tmp`` inside goes to ``final`` (durably, with ``fsync``), or is removed on failure."""
     try:
-        with SafetensorsWriter(tmp, tensors, metadata=None) as writer:
-            for out_name, _, _ in tensors:
-                file, name = origin[out_name]
-                writer.write(out_name, read_tensor(source.header(file), name))
-            writer.close(fsync=plan["fsync"])
+        yield
         os.replace(tmp, final)
-        if plan["fsync"]:
+        if fsync:
             _fsync_dir(staging)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return "done"
 
 
 def run(plan: dict[str, Any], staging: Path) -> int:
-    import kt_kernel
-    from importlib import metadata
-
     started = time.perf_counter()
     _neutralize_pinning()
     # kt-kernel's worker threads spin on the cores while idle; torch's own intra-op threads (the
     # float64 reference) would fight them and run ~100x slower. One torch thread does this job.
     torch.set_num_threads(1)
-    experts, hidden, inter, T = plan["experts"], plan["hidden"], plan["moe_intermediate"], plan["threadpool_count"]
-    layers = plan["layers"]
-    emit("start", kt_kernel=metadata.version("kt-kernel"), torch=torch.__version__,
-         cpu_variant=getattr(kt_kernel, "__cpu_variant__", None),
-         int8_kernel=getattr(kt_kernel, "__int8_kernel__", None),
-         int8_weight_layout=getattr(kt_kernel, "__int8_weight_layout__", None),
-         layers=len(layers), threadpool_count=T, threads=plan["threads"])
-
+    _emit_start(plan)
     source = _Source(Path(plan["source"]))
-    scratch_root = Path(plan["scratch_dir"])
-    scratch_root.mkdir(parents=True, exist_ok=True)
-    _clean_stale_scratch(scratch_root)
-    scratch = scratch_root / f"{SCRATCH_PREFIX}{os.getpid()}"
+    experts, hidden, inter, T = plan["experts"], plan["hidden"], plan["moe_intermediate"], plan["threadpool_count"]
     bufs = {"gate": torch.empty(experts, inter, hidden, dtype=torch.bfloat16),
             "up": torch.empty(experts, inter, hidden, dtype=torch.bfloat16),
             "down": torch.empty(experts, hidden, inter, dtype=torch.bfloat16)}
     largest = max(max(slice_sizes(p, hidden, inter, T)[0], 4 * slice_sizes(p, hidden, inter, T)[1]) for p in PROJS)
-    copy_buf = torch.empty(largest, dtype=torch.uint8)
-    # kt-kernel 0.7.2 never frees a wrapper's weight buffers (AMX_MOE_BASE aligned_alloc's them and
-    # nothing frees them): each quantized or verified layer leaks its INT8 size for the life of the
-    # process, which is how converting a 671B model runs out of RAM. So this process stops after
-    # ``wrappers_per_process`` wrappers and asks to be restarted (EXIT_RECYCLE); finished layers
-    # and verifications are kept and not redone.
-    budget = plan.get("wrappers_per_process") or 0
-    used = 0
+    budget = _Budget(plan.get("wrappers_per_process") or 0)
+    if not _quantize_layers(plan, source, bufs, torch.empty(largest, dtype=torch.uint8), staging, budget):
+        return EXIT_RECYCLE
+    code = _verify_layers(plan, source, bufs, staging, budget)
+    if code is not None:
+        return code
+    del bufs
 
-    def spent(next_step: str) -> bool:
-        if budget and used >= budget:
-            emit("recycle", wrappers=used, budget=budget, next=next_step,
-                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    t0 = time.perf_counter()
+    status = write_non_expert(plan, source, staging)
+    emit("non_expert", status=status, shard=plan["non_expert"]["shard"], tensors=len(plan["non_expert"]["tensors"]),
+         seconds=round(time.perf_counter() - t0, 3))
+    emit("done", seconds=round(time.perf_counter() - started, 3), peak_rss_bytes=_peak_rss())
+    return 0
+
+
+def _emit_start(plan: dict[str, Any]) -> None:
+    import kt_kernel
+    from importlib import metadata
+
+    emit("start", kt_kernel=metadata.version("kt-kernel"), torch=torch.__version__,
+         cpu_variant=getattr(kt_kernel, "__cpu_variant__", None),
+         int8_kernel=getattr(kt_kernel, "__int8_kernel__", None),
+         int8_weight_layout=getattr(kt_kernel, "__int8_weight_layout__", None),
+         layers=len(plan["layers"]), threadpool_count=plan["threadpool_count"], threads=plan["threads"])
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Budget:
+    """How many kt-kernel wrappers this process may still create.
+
+    kt-kernel 0.7.2 never frees a wrapper's weight buffers (AMX_MOE_BASE aligned_alloc's them and
+    nothing frees them): each quantized or verified layer leaks its INT8 size for the life of the
+    process, which is how converting a 671B model runs out of RAM. So this process stops after
+    ``wrappers_per_process`` wrappers and asks to be restarted (EXIT_RECYCLE); finished layers
+    and verifications are kept and not redone.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.used = budget, 0
+
+    def spent(self, next_step: str) -> bool:
+        """Whether the budget is used up (then the restart is asked for, naming ``next_step``)."""
+        if self.budget and self.used >= self.budget:
+            emit("recycle", wrappers=self.used, budget=self.budget, next=next_step, peak_rss_bytes=_peak_rss())
             return True
         return False
 
+
+def _quantize_layers(plan: dict[str, Any], source: _Source, bufs: dict[str, torch.Tensor], copy_buf: torch.Tensor,
+                     staging: Path, budget: _Budget) -> bool:
+    """Every layer's shard, reusing complete ones; False when the budget ran out first."""
+    experts, hidden, inter, T = plan["experts"], plan["hidden"], plan["moe_intermediate"], plan["threadpool_count"]
+    layers = plan["layers"]
+    scratch_root = Path(plan["scratch_dir"])
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    _clean_stale_scratch(scratch_root)
+    scratch = scratch_root / f"{SCRATCH_PREFIX}{os.getpid()}"
     try:
         for i, entry in enumerate(layers):
             t0 = time.perf_counter()
@@ -453,36 +486,33 @@ def run(plan: dict[str, Any], staging: Path) -> int:
             if final.exists() and _header_matches(final, layer_plan(entry["layer"], experts, hidden, inter, T)):
                 status = "reused"
             else:
-                if spent(f"layer {entry['layer']}"):
-                    return EXIT_RECYCLE
+                if budget.spent(f"layer {entry['layer']}"):
+                    return False
                 scratch.mkdir(parents=True, exist_ok=True)
                 quantize_layer(plan, entry, source, bufs, scratch, staging, copy_buf)
-                used += 1
+                budget.used += 1
                 status = "done"
             emit("layer", layer=entry["layer"], index=i + 1, total=len(layers), status=status, shard=entry["shard"],
                  seconds=round(time.perf_counter() - t0, 3))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return True
 
-    by_layer = {entry["layer"]: entry for entry in layers}
+
+def _verify_layers(plan: dict[str, Any], source: _Source, bufs: dict[str, torch.Tensor], staging: Path,
+                   budget: _Budget) -> int | None:
+    """Check the sampled layers through kt-kernel's inference path; an exit code to stop with, or None."""
+    by_layer = {entry["layer"]: entry for entry in plan["layers"]}
     for layer in plan["verify"]["layers"]:
-        if spent(f"verify layer {layer}"):
+        if budget.spent(f"verify layer {layer}"):
             return EXIT_RECYCLE
         result = verify_layer(plan, by_layer[layer], source, bufs, staging)
-        used += 1
+        budget.used += 1
         emit("verify", **result)
         if not result["mean_rel_err"] <= plan["max_rel_err"]:  # NaN fails too
             emit("verify_failed", layers=[layer], max_rel_err=plan["max_rel_err"])
             return EXIT_VERIFY_FAILED
-    del bufs
-
-    t0 = time.perf_counter()
-    status = write_non_expert(plan, source, staging)
-    emit("non_expert", status=status, shard=plan["non_expert"]["shard"], tensors=len(plan["non_expert"]["tensors"]),
-         seconds=round(time.perf_counter() - t0, 3))
-    emit("done", seconds=round(time.perf_counter() - started, 3),
-         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return 0
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,181 @@
+"""How much GPU memory a training run needs, from a checkpoint's config and safetensors headers.
+
+The SFT preflight (``ktflow sft`` and ``ktflow doctor --recipe``) refuses a plain LoRA SFT
+(``sft.backend: hf``) whose model cannot fit the GPUs it would use, before anything is loaded
+or converted: plain LlamaFactory puts every weight on the GPU, in BF16 (transformers'
+compressed-tensors loader decompresses INT4 for training, and ktflow's hf path trains on the
+dequantized BF16 copy), where KTransformers keeps the routed experts in CPU RAM. The arithmetic
+is in :func:`estimate_hf_sft_gpu_memory`, one typed function, so a planner can reuse it.
+
+Nothing here reads tensor data: a 600 GB checkpoint is sized in a second.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, computed_field
+
+from ktflow.checkpoint import load_config, read_weight_map, text_config
+from ktflow.hardware import HostInfo
+from ktflow.recipe import Recipe, SftConfig
+from ktflow.safetensors_io import read_header
+
+GiB = 1 << 30
+# Companions of quantized weights: scales, shapes, zero points are not parameters.
+_QUANT_METADATA = (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_scale_inv")
+# Weights that LoRA's "all" does not reach through LlamaFactory + transformers 5: embeddings and
+# lm_head (not targets), the MoE router (not an nn.Linear), and routed experts (fused 3-D parameters).
+_NOT_LORA = re.compile(r"(embed_tokens|lm_head|\.mlp\.gate\.|\.experts\.\d+\.|vision_tower|mm_projector)")
+# Bytes per trainable parameter under mixed-precision Adam: fp32 weight, gradient and two moments
+# (LlamaFactory keeps trainable parameters in fp32 unless pure_bf16).
+_TRAINABLE_BYTES = 16
+# One decoder layer's activations per token and hidden unit, in bytes (BF16, attention by SDPA so no
+# score matrix; after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models").
+_LAYER_ACTIVATION_BYTES = 34
+# Logits per token and vocabulary entry: BF16 output, the fp32 copy the loss takes, and its gradient.
+_LOGIT_BYTES = 12
+# CUDA context, cuBLAS workspace and the caching allocator's fragmentation.
+_FIXED_OVERHEAD = GiB
+_OVERHEAD_SHARE = 0.05
+
+
+class ModelSize(BaseModel):
+    """A checkpoint's size as a trainer sees it, from its config and headers alone."""
+
+    path: str
+    parameters: int  # every weight; INT4 and FP8 counted as the values they decode to
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    linear_shapes: dict[str, tuple[int, int]]  # [out, in] of each Linear a LoRA may target (routed experts left out)
+
+
+class GpuMemoryEstimate(BaseModel):
+    """What a training run holds on its GPUs at peak, in bytes, by component."""
+
+    weights_bytes: int
+    trainable_bytes: int
+    activation_bytes: int
+    overhead_bytes: int
+    trainable_parameters: int
+    tokens_per_step: int
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.trainable_bytes + self.activation_bytes + self.overhead_bytes
+
+
+def _parameters_of(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> int:
+    """How many model parameters one stored tensor holds."""
+    if name.endswith(".weight_packed"):
+        return nbytes * 2  # two INT4 values per byte, whatever the container dtype
+    if name.endswith(_QUANT_METADATA):
+        return 0
+    return math.prod(shape)
+
+
+def model_size(path: str | Path) -> ModelSize:
+    """Size the checkpoint in ``path`` from its config and shard headers.
+
+    Raises:
+        CheckpointError: no config, no index or single file, a missing shard or a bad header.
+    """
+    path = Path(path)
+    config = text_config(load_config(path))
+    weight_map, _ = read_weight_map(path)
+    parameters = 0
+    linear: dict[str, tuple[int, int]] = {}
+    for shard in sorted(set(weight_map.values())):
+        for name, info in read_header(path / shard).tensors.items():
+            parameters += _parameters_of(name, info.dtype, info.shape, info.nbytes)
+            if len(info.shape) == 2 and name.endswith((".weight", ".weight_packed")) and not _NOT_LORA.search(name):
+                cols = info.nbytes // info.shape[0] * 2 if name.endswith(".weight_packed") else info.shape[1]
+                linear[name.rsplit(".", 1)[0]] = (info.shape[0], cols)
+    return ModelSize(
+        path=str(path), parameters=parameters, hidden_size=int(config.get("hidden_size") or 0),
+        num_layers=int(config.get("num_hidden_layers") or 0), vocab_size=int(config.get("vocab_size") or 0),
+        linear_shapes=linear,
+    )
+
+
+def lora_parameters(size: ModelSize, *, target: str, rank: int) -> int:
+    """Parameters of a rank-``rank`` LoRA on the Linear layers ``target`` names (``all``: every one)."""
+    wanted = {t.strip() for t in target.split(",") if t.strip()}
+    return sum(rank * (rows + cols) for module, (rows, cols) in size.linear_shapes.items()
+               if "all" in wanted or module.rsplit(".", 1)[-1] in wanted)
+
+
+def estimate_hf_sft_gpu_memory(size: ModelSize, sft: SftConfig) -> GpuMemoryEstimate:
+    """GPU memory at the peak of a plain (HuggingFace backend) LlamaFactory SFT run of ``size``.
+
+    Weights in BF16 (2 bytes per parameter); LoRA's trainable parameters with their gradients and
+    Adam state (16 bytes each; full fine-tuning makes every parameter trainable); activations of
+    one micro-batch (``cutoff_len`` x batch tokens: a BF16 checkpoint per layer plus one layer's
+    full activations under gradient checkpointing, every layer's without) and its logits; CUDA
+    context and allocator headroom (1 GiB + 5 % of the weights).
+
+    On the H100 host, DeepSeek-V2-Lite's size (15.7B parameters, cutoff 1024, LoRA r=8 on the
+    attention projections) measured 33,277 MiB over idle; this gives 34,000 MiB (tests check it).
+    """
+    tokens = sft.cutoff_len * sft.per_device_train_batch_size
+    if sft.finetuning_type == "full":
+        trainable = size.parameters
+    else:
+        trainable = lora_parameters(size, target=sft.lora_target, rank=sft.lora_rank)
+    per_layer = tokens * size.hidden_size * _LAYER_ACTIVATION_BYTES
+    if sft.disable_gradient_checkpointing:
+        layers = per_layer * size.num_layers
+    else:
+        layers = tokens * size.hidden_size * 2 * size.num_layers + per_layer
+    weights = 2 * size.parameters
+    return GpuMemoryEstimate(
+        weights_bytes=weights,
+        trainable_bytes=_TRAINABLE_BYTES * trainable,
+        activation_bytes=layers + tokens * size.vocab_size * _LOGIT_BYTES,
+        overhead_bytes=_FIXED_OVERHEAD + int(weights * _OVERHEAD_SHARE),
+        trainable_parameters=trainable,
+        tokens_per_step=tokens,
+    )
+
+
+def sft_gpu_memory_problem(recipe: Recipe, host: HostInfo, checkpoint_dir: str | Path) -> str | None:
+    """Why the recipe's plain SFT cannot fit this host's GPUs (None: it fits, or it does not apply).
+
+    Applies to ``sft.backend: hf`` on GPUs only: KT keeps the routed experts in CPU RAM (its RAM is
+    checked elsewhere), and a CPU run (``gpus: 0``) is sized against RAM. A host with fewer GPUs
+    than ``sft.gpus`` is reported by the capability check instead. The GPUs' memory is summed, a
+    lower bound of what plain LlamaFactory needs: without DeepSpeed or FSDP it puts a whole copy
+    of the model on every GPU.
+
+    Raises:
+        CheckpointError: the checkpoint's config or headers cannot be read.
+    """
+    sft = recipe.sft
+    if sft.backend != "hf" or sft.gpus == 0 or len(host.gpus) < sft.gpus:
+        return None
+    size = model_size(checkpoint_dir)
+    need = estimate_hf_sft_gpu_memory(size, sft)
+    gpus = host.gpus[: sft.gpus]
+    have = sum(g.vram_bytes for g in gpus)
+    if need.total_bytes <= have:
+        return None
+    names = ", ".join(sorted({g.name for g in gpus}))
+    return (
+        f"plain LoRA SFT puts the whole model on the GPU in BF16: {size.path} has {size.parameters / 1e9:.1f}B "
+        f"parameters, so it needs ~{need.total_bytes / GiB:.0f} GiB of GPU memory ({need.weights_bytes / GiB:.1f} GiB "
+        f"of BF16 weights, {need.trainable_bytes / GiB:.1f} GiB of trainable weights, gradients and optimizer state, "
+        f"{need.activation_bytes / GiB:.1f} GiB of activations for {need.tokens_per_step} tokens, "
+        f"{need.overhead_bytes / GiB:.1f} GiB of CUDA context and headroom); the {sft.gpus} GPU(s) it uses "
+        f"(sft.gpus: {sft.gpus}; {names}) have {have / GiB:.1f} GiB."
+    )
+
+
+HF_DOES_NOT_FIT_FIX = (
+    "set sft.backend: kt (KTransformers keeps the routed experts in CPU RAM and puts only the rest on the GPU; "
+    "recipes/kimi-k2.5-rawint4.yaml is an example), or train on GPUs with more memory (sft.gpus)"
+)
+"""What to do when :func:`sft_gpu_memory_problem` finds a problem."""
