@@ -10,6 +10,7 @@ from pinned versions (``constraints/kt-train.txt`` wins where it pins a package)
 - kt-kernel trimmed to its ``amx`` extension (+ ``kt_kernel.libs``) and gguf;
 - what ktflow's engine needs that the host lacks (pydantic + pydantic-core, annotated-types,
   typing-inspection);
+- compressed-tensors (+ loguru), for plain LlamaFactory on Kimi INT4 (gpu_host/big.py hf);
 - ktflow itself, from this working tree;
 - entry-point shims ``bin/llamafactory-cli``, ``bin/accelerate`` and ``bin/python`` (the
   toolchain python the recipe names: the host's python3 with the bundle first on sys.path).
@@ -59,6 +60,11 @@ PACKAGES: dict[str, str | None] = {
     "tyro": None, "docstring_parser": None, "shtab": None,
     "pydantic": None, "pydantic_core": None, "annotated-types": None, "typing-inspection": None,
     "einops": None,
+    # Not used by KT: lets the plain-LlamaFactory attempt on a Kimi INT4 checkpoint (gpu_host/big.py hf) meet
+    # transformers' compressed-tensors quantizer wherever transformers engages it, so a failure there is never
+    # "the library is missing". The orchestrator's pins (constraints/orchestrator.txt); 0.20 needs torch >= 2.10,
+    # which the host has (2.11).
+    "compressed-tensors": "0.20.0", "loguru": "0.7.3",
 }
 # Left out of the unpacked tree: SGLang kernel payloads (serving only, 85-273 MB each) and
 # kt-kernel's CPU variants other than amx.

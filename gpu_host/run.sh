@@ -3,6 +3,9 @@
 #
 #   gpu_host/run.sh STEP...      steps: setup bf16 rawint4 killresume-bf16 convert-bf16 convert-rawint4
 #                                       losscheck-bf16 losscheck-rawint4 collect   (or: all)
+#                                bigger than the GPU (gpu_host/big.py; one device call each, in this order):
+#                                       fixture-big sft-big hf-big convert-big kill-big resume-big report-big
+#                                       big-reduced (the same code at reduced size: fixture, 4 KT steps, convert)
 #
 # Inputs (made on a machine with network, carried in ignored paths):
 #   build/gpu-host/parts/bundle.tar.gz.NN   gpu_host/build_bundle.py (the KT training toolchain)
@@ -137,6 +140,18 @@ step_collect() {
   if [ -n "${RESULTS_OUT:-}" ]; then tar czf "$RESULTS_OUT/results.tar.gz" -C "$B" results; fi
 }
 
+big() {  # big PHASE [ARGS...]: gpu_host/big.py; its results go to build/gpu-host/big*/results
+  local t=$(date +%s) rc=0
+  "$PY" gpu_host/big.py "$@" || rc=$?
+  stamp "big $*" "$t" "$rc"
+  return "$rc"
+}
+
+step_big_reduced() {  # the bigger-than-gpu code path at reduced size: streamed fixture, 4 KT RAWINT4 steps, convert
+  rm -rf build/gpu-host/big-reduced
+  big fixture --size reduced && big sft --size reduced && big convert --size reduced
+}
+
 steps=("$@")
 [ "${steps[0]:-}" = all ] && steps=(setup bf16 convert-bf16 losscheck-bf16 rawint4 convert-rawint4 losscheck-rawint4
                                      killresume-bf16 convert-bf16-resumed losscheck-bf16-resumed collect)
@@ -145,6 +160,15 @@ for s in "${steps[@]}"; do
   echo "=== $s"
   case "$s" in
     setup) step_setup ;;
+    # before the NAME patterns below: convert-big is not step_convert's "big"
+    fixture-big) big fixture || status=1 ;;
+    sft-big) big sft || status=1 ;;
+    hf-big) big hf || status=1 ;;
+    convert-big) big convert || status=1 ;;
+    kill-big) big kill || status=1 ;;
+    resume-big) big resume || status=1 ;;
+    report-big) big report ;;
+    big-reduced) step_big_reduced || status=1 ;;
     bf16|rawint4|bf16-resumed) step_train "$s" || status=1 ;;
     killresume-*) step_killresume "${s#killresume-}" || status=1 ;;
     convert-*) step_convert "${s#convert-}" || status=1 ;;

@@ -216,3 +216,26 @@ def test_needs_are_a_pure_function_of_the_request_and_the_sizes(tmp_path: Path) 
     assert int8.ram.bytes > bf16_layer + GiB and int8.ram.what == "one MoE layer"
     assert [d.what for d in int8.disk] == ["kt-kernel's scratch for one layer", "the output"]
     assert int8.artifact_bytes is not None and int8.artifact_bytes > 60 * 384 * 3 * 2048 * 7168
+
+
+def test_the_readme_example_stage_runs_caches_and_refuses(tmp_path: Path) -> None:
+    """README's "Architecture" section shows a stage to copy; it must run as written."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Architecture: one stage runner", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (Architecture)", "exec"), namespace)  # noqa: S102 (our own README)
+    src = tmp_path / "weights.bin"
+    src.write_bytes(b"experts")
+    out = tmp_path / "store" / "checksum"
+    seen: list[tuple[int, int]] = []
+    assert namespace["run_stage"](namespace["CHECKSUM"], namespace["ChecksumRequest"](src=src, out=out),
+                                  progress=lambda done, total: seen.append((done, total))) == out
+    assert (out / "data").read_bytes() == b"experts" and read_manifest(out).stage == "checksum"
+    assert seen == [(1, 1)]
+    published = (out / "manifest.json").stat().st_mtime_ns
+    assert namespace["checksum_file"](src, out) == out  # a cache hit: nothing rewritten
+    assert (out / "manifest.json").stat().st_mtime_ns == published
+    with pytest.raises(InvalidInputError, match="is not a file"):
+        namespace["checksum_file"](tmp_path / "missing", tmp_path / "other")
+    assert not (tmp_path / "other").exists()
