@@ -414,8 +414,12 @@ def _pread_exact(fd: int, buf: torch.Tensor, offset: int, where: str) -> None:
 
 
 @contextmanager
-def _single_thread_torch() -> Iterator[None]:
-    # Workers parallelize across tensors; torch's own intra-op threads would oversubscribe.
+def single_thread_torch() -> Iterator[None]:
+    """Run torch single-threaded inside the block (restored after).
+
+    Callers parallelize across tensors with a thread pool; torch's own intra-op threads would oversubscribe
+    the cores.
+    """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -526,7 +530,7 @@ def _work(job: _Job, staging: Path) -> None:
             advance(sum(t.nbytes for t in plan))  # finished by an earlier attempt
         else:
             jobs.append(_ShardJob(job.ckpt, shard, plan, final, job.fsync, job.identity))
-    with _single_thread_torch():
+    with single_thread_torch():
         _run_jobs(jobs, job.request.workers or _physical_cores(), advance)
     src = job.ckpt.path
     config = _strip_quantization_config(json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")))

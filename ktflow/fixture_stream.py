@@ -27,7 +27,6 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +34,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ktflow.dequantize import single_thread_torch
 from ktflow.safetensors_io import DTYPE_SIZES, SafetensorsWriter, st_dtype
 
 INT4_GROUP_SIZE = 32
@@ -306,17 +306,6 @@ def _draw(tensor: PlannedTensor, generator: torch.Generator, shape: tuple[int, .
 # --------------------------------------------------------------------------- writing
 
 
-@contextmanager
-def _single_thread_torch() -> Iterator[None]:
-    # The pool parallelizes across tensors; torch's own intra-op threads would oversubscribe the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask: a container's or taskset's share, not the host's)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -350,7 +339,7 @@ def write_shards(
     """
     names = shard_names(len(shards))
     weight_map: dict[str, str] = {}
-    with _single_thread_torch(), ThreadPoolExecutor(max_workers=workers or _usable_cpus()) as pool:
+    with single_thread_torch(), ThreadPoolExecutor(max_workers=workers or _usable_cpus()) as pool:
         for index, (shard, name) in enumerate(zip(shards, names)):
             _write_shard(pool, shard, out_dir / name, seed=seed, given=given, fsync=fsync)
             weight_map.update(dict.fromkeys((t.name for t in shard), name))
