@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -520,14 +520,33 @@ def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: Progre
     layer at a time. A tensor transformers initializes to a constant (norms: 1, V3's routing
     correction bias: 0) keeps that constant; the rest are N(0, initializer_range).
     """
+    vocab_size, eos_id, pad_id = _save_tokenizer(build_dir)
+    config = _deepseek_v2_lite_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
+    template = _two_layer_template(spec, config, build_dir)
+    _write_json(build_dir / "generation_config.json",
+                {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False})
+    num_layers = config.num_hidden_layers
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, members in enumerate(_v2_lite_layer_shards(spec, template, num_layers, config.initializer_range)):
+        shard_name = f"model-{index + 1:05d}-of-{num_layers:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in sorted(members.items())}, build_dir / shard_name,
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(members, shard_name))
+        total += sum(t.numel() * t.element_size() for t in members.values())
+        if progress is not None:
+            progress(index + 1, num_layers)
+    _write_json(build_dir / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+
+
+def _two_layer_template(spec: FixtureSpec, config: Any, build_dir: Path) -> dict[str, torch.Tensor]:
+    """transformers' own 2-layer save of the model's width (its tensors); writes the full config."""
     from safetensors.torch import load_file
     from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from transformers.utils import logging as hf_logging
 
     model_class = DeepseekV3ForCausalLM if spec.architecture == "DeepseekV3ForCausalLM" else DeepseekV2ForCausalLM
-    vocab_size, eos_id, pad_id = _save_tokenizer(build_dir)
-    config = _deepseek_v2_lite_config(spec, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id)
-    num_layers = config.num_hidden_layers
     template_config = config.__class__(**{**config.to_dict(), "num_hidden_layers": 2})
     scratch = build_dir / ".scratch"
     hf_logging.disable_progress_bar()
@@ -543,47 +562,38 @@ def _build_deepseek_v2_lite(spec: FixtureSpec, build_dir: Path, progress: Progre
         template.update(load_file(shard))
     saved_config = json.loads((scratch / "config.json").read_text())
     shutil.rmtree(scratch)
-    saved_config["num_hidden_layers"] = num_layers
+    saved_config["num_hidden_layers"] = config.num_hidden_layers
     _write_json(build_dir / "config.json", saved_config)
-    _write_json(build_dir / "generation_config.json",
-                {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False})
+    return template
 
-    std = config.initializer_range
+
+def _fresh_like(seed: int, std: float, name: str, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s constant, or new N(0, std) values from a generator seeded by ``seed`` and ``name``."""
+    if bool((like == like.flatten()[0]).all()):
+        return like.clone()
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest) >> 1)  # 63 bits: a valid seed
+    return torch.randn(like.shape, generator=generator).mul_(std).to(like.dtype)
+
+
+def _v2_lite_layer_shards(spec: FixtureSpec, template: dict[str, torch.Tensor], num_layers: int,
+                          std: float) -> Iterator[dict[str, torch.Tensor]]:
+    """One shard's tensors a layer: embeddings + layer 0, then each MoE layer (norm and lm_head last)."""
     moe_layer = {name: t for name, t in template.items() if ".layers.1." in name}
-
-    def fresh(name: str, like: torch.Tensor) -> torch.Tensor:
-        if bool((like == like.flatten()[0]).all()):
-            return like.clone()
-        digest = hashlib.blake2b(f"{spec.seed}:{name}".encode(), digest_size=8).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest) >> 1)  # 63 bits: a valid seed
-        return torch.randn(like.shape, generator=generator).mul_(std).to(like.dtype)
-
-    def shards() -> Iterator[dict[str, torch.Tensor]]:
-        yield {n: t for n, t in template.items() if ".layers." not in n and not n.endswith(("model.norm.weight",
-               "lm_head.weight"))} | {n: t for n, t in template.items() if ".layers.0." in n}
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for layer in range(1, num_layers):
-                if layer == 1:
-                    members = dict(moe_layer)
-                else:
-                    names = [n.replace(".layers.1.", f".layers.{layer}.") for n in moe_layer]
-                    members = dict(zip(names, pool.map(fresh, names, moe_layer.values())))
-                if layer == num_layers - 1:
-                    members |= {n: t for n, t in template.items() if n.endswith(("model.norm.weight", "lm_head.weight"))}
-                yield members
-
-    weight_map: dict[str, str] = {}
-    total = 0
-    for index, members in enumerate(shards()):
-        shard_name = f"model-{index + 1:05d}-of-{num_layers:05d}.safetensors"
-        save_file({n: t.contiguous() for n, t in sorted(members.items())}, build_dir / shard_name,
-                  metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(members, shard_name))
-        total += sum(t.numel() * t.element_size() for t in members.values())
-        if progress is not None:
-            progress(index + 1, num_layers)
-    _write_json(build_dir / "model.safetensors.index.json",
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    last = ("model.norm.weight", "lm_head.weight")
+    yield {n: t for n, t in template.items() if ".layers." not in n and not n.endswith(last)} | {
+        n: t for n, t in template.items() if ".layers.0." in n}
+    fresh = functools.partial(_fresh_like, spec.seed, std)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for layer in range(1, num_layers):
+            if layer == 1:
+                members = dict(moe_layer)
+            else:
+                names = [n.replace(".layers.1.", f".layers.{layer}.") for n in moe_layer]
+                members = dict(zip(names, pool.map(fresh, names, moe_layer.values())))
+            if layer == num_layers - 1:
+                members |= {n: t for n, t in template.items() if n.endswith(last)}
+            yield members
 
 
 def _pack_routed_experts_int4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,7 +21,8 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ktflow.errors import HostRequirementError, RecipeError
+from ktflow.errors import RecipeError
+from ktflow.runner import ToolchainNeed, check_toolchain
 
 SourceFormat = Literal["kimi-k2.5-int4", "kimi-k2-int4", "deepseek-v3-fp8", "bf16"]
 INT4_FORMATS: frozenset[str] = frozenset({"kimi-k2.5-int4", "kimi-k2-int4"})
@@ -560,12 +561,12 @@ class Toolchain(_Strict):
             holds: what the environment must contain, e.g. ``LlamaFactory``.
             make_target: the Makefile target that builds it here.
         """
-        if not self.python.exists():
-            raise HostRequirementError(
-                f"{field}: {self.python}", f"no environment with {holds} is installed there",
-                f"run `make {make_target}`, or point {field} at the python of an environment that has {holds}",
-            )
+        check_toolchain(self.need(field, holds, make_target))
         return self.python.absolute()
+
+    def need(self, field: str, holds: str, make_target: str) -> ToolchainNeed:
+        """This environment as a stage's declared need (:class:`~ktflow.runner.Resources`)."""
+        return ToolchainNeed(python=self.python.absolute(), field=field, what=holds, make_target=make_target)
 
 
 class ToolchainsConfig(_Strict):

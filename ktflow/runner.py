@@ -128,13 +128,43 @@ class DiskNeed(BaseModel):
 
 
 class RamNeed(BaseModel):
-    """RAM a run needs available while it works."""
+    """RAM a run needs while it works."""
 
     model_config = ConfigDict(frozen=True)
 
     bytes: int
     what: str  # the subject of "... needs ~X GiB of RAM", e.g. "one MoE layer"
     why: str = ""  # the breakdown, shown in parentheses
+    # "available": a short run that needs the memory free now; "installed": a run held for hours
+    # (the page cache and other jobs come and go, so what is free at the start says little).
+    of: Literal["available", "installed"] = "available"
+    numa_pools: int = 1  # split evenly over this many NUMA nodes, each of which must hold its share
+
+
+class GpuNeed(BaseModel):
+    """GPU memory a run needs, on each GPU it uses or summed over them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bytes: int
+    gpus: int = 1  # how many GPUs the run uses
+    summed: bool = False  # True: ``bytes`` is spread over the GPUs (their memory is added up)
+    what: str = ""  # the sentence's start, e.g. "plain LoRA SFT puts the whole model on the GPU in BF16: ..., so it"
+    why: str = ""  # the breakdown, shown in parentheses
+    field: str = ""  # the recipe field that sets ``gpus``, e.g. "sft.gpus"
+    subject: str | None = None  # the error's subject (default: the stage)
+    fix: str | None = None
+
+
+class ToolchainNeed(BaseModel):
+    """A separate Python environment the stage runs a tool in (checked last: installing one is easy)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    python: Path
+    field: str  # the recipe field naming it, e.g. "toolchains.train.python"
+    what: str  # what it must hold, e.g. "LlamaFactory"
+    make_target: str  # what makes it, e.g. "train-env"
 
 
 class Resources(BaseModel):
@@ -143,15 +173,58 @@ class Resources(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     host: HostRequirement | None = None  # CPU ISA, GPU count, thread counts
-    gpu_memory_bytes: int = 0  # on each GPU the run uses
+    gpu: GpuNeed | None = None
     ram: RamNeed | None = None
     disk: tuple[DiskNeed, ...] = ()
+    toolchain: ToolchainNeed | None = None
     artifact_bytes: int | None = None  # the artifact's size when complete (what the store grows by)
 
     @property
     def probes_host(self) -> bool:
         """Whether checking these needs takes a host probe (disk alone does not)."""
-        return self.host is not None or self.ram is not None or self.gpu_memory_bytes > 0
+        return self.host is not None or self.ram is not None or self.gpu is not None
+
+
+def _ram_shortfall(stage: StageName, ram: RamNeed, host: HostInfo) -> str | None:
+    why = f" ({ram.why})" if ram.why else ""
+    if ram.of == "available":
+        if host.ram_available_bytes >= ram.bytes:
+            return None
+        return (f"{ram.what} needs ~{ram.bytes / _GiB:.2f} GiB of RAM{why}; "
+                f"{host.ram_available_bytes / _GiB:.2f} GiB is available")
+    problems = []
+    nodes = sorted(host.numa, key=lambda n: n.mem_total_bytes)
+    share = ram.bytes / max(ram.numa_pools, 1)
+    if ram.numa_pools > 1 and len(nodes) >= ram.numa_pools and nodes[0].mem_total_bytes < share:
+        problems.append(f"{ram.what} needs ~{share / _GiB:.0f} GiB per NUMA node for its share{why} "
+                        f"({ram.bytes / _GiB:.0f} GiB over {ram.numa_pools} pools); node {nodes[0].id} has "
+                        f"{nodes[0].mem_total_bytes / _GiB:.0f} GiB")
+    if host.ram_bytes < ram.bytes:
+        problems.append(f"{ram.what} needs ~{ram.bytes / _GiB:.0f} GiB of RAM{why}; this host has "
+                        f"{host.ram_bytes / _GiB:.0f} GiB")
+    return "; ".join(problems) or None
+
+
+def gpu_shortfall(stage: StageName, gpu: GpuNeed, host: HostInfo) -> str | None:
+    """Why ``host``'s GPUs cannot hold ``gpu`` (None: they can, or it has no GPU: a capability)."""
+    used = host.gpus[: max(gpu.gpus, 1)]
+    if not used:
+        return None  # no GPU at all is a capability (HostRequirement.min_gpus), not a capacity
+    what = gpu.what or f"{stage}"
+    why = f" ({gpu.why})" if gpu.why else ""
+    field = f"{gpu.field}: {gpu.gpus}; " if gpu.field else ""
+    if gpu.summed:
+        have = sum(g.vram_bytes for g in used)
+        if gpu.bytes <= have:
+            return None
+        names = ", ".join(sorted({g.name for g in used}))
+        return (f"{what} needs ~{gpu.bytes / _GiB:.0f} GiB of GPU memory{why}; the {len(used)} GPU(s) it uses "
+                f"({field}{names}) have {have / _GiB:.1f} GiB.")
+    for g in used:
+        if g.vram_bytes < gpu.bytes:
+            return (f"{what} needs ~{gpu.bytes / _GiB:.1f} GiB on each of {len(used)} GPU(s){why}; "
+                    f"GPU {g.index} ({g.name}) has {g.vram_bytes / _GiB:.1f} GiB")
+    return None
 
 
 def shortfalls(stage: StageName, resources: Resources, target: Path, host: HostInfo | None) -> list[InvalidInputError]:
@@ -160,18 +233,14 @@ def shortfalls(stage: StageName, resources: Resources, target: Path, host: HostI
     ``host`` may be None when ``resources`` do not :attr:`~Resources.probes_host`.
     """
     found: list[InvalidInputError] = []
-    if resources.ram is not None and host is not None and host.ram_available_bytes < resources.ram.bytes:
-        ram = resources.ram
-        why = f" ({ram.why})" if ram.why else ""
-        found.append(HostRequirementError(stage, f"{ram.what} needs ~{ram.bytes / _GiB:.2f} GiB of RAM{why}; "
-                                                 f"{host.ram_available_bytes / _GiB:.2f} GiB is available"))
-    if resources.gpu_memory_bytes and host is not None:
-        count = max(1, resources.host.min_gpus if resources.host else 0)
-        for gpu in host.gpus[:count]:
-            if gpu.vram_bytes < resources.gpu_memory_bytes:
-                found.append(HostRequirementError(
-                    stage, f"{stage} needs ~{resources.gpu_memory_bytes / _GiB:.1f} GiB on each of {count} GPU(s); "
-                           f"GPU {gpu.index} ({gpu.name}) has {gpu.vram_bytes / _GiB:.1f} GiB"))
+    if resources.ram is not None and host is not None:
+        short = _ram_shortfall(stage, resources.ram, host)
+        if short:
+            found.append(HostRequirementError(stage, short))
+    if resources.gpu is not None and host is not None:
+        short = gpu_shortfall(stage, resources.gpu, host)
+        if short:
+            found.append(HostRequirementError(resources.gpu.subject or stage, short, resources.gpu.fix))
     for disk in resources.disk:
         at = disk.at if disk.at is not None else Path(target).parent
         short = store.free_space_shortfall(at, disk.bytes, what=disk.what, files=disk.files, overhead=disk.overhead,
@@ -181,12 +250,26 @@ def shortfalls(stage: StageName, resources: Resources, target: Path, host: HostI
     return found
 
 
+def check_toolchain(need: ToolchainNeed) -> None:
+    """Refuse a missing toolchain environment, naming the recipe field and the make target.
+
+    Raises:
+        HostRequirementError: ``need.python`` does not exist.
+    """
+    if not Path(need.python).exists():
+        raise HostRequirementError(
+            f"{need.field}: {need.python}", f"no environment with {need.what} is installed there",
+            f"run `make {need.make_target}`, or point {need.field} at the python of an environment that has {need.what}",
+        )
+
+
 def preflight(stage: StageName, resources: Resources, target: Path, *, host: HostInfo | None = None,
               fix: str | None = None) -> HostInfo | None:
     """Refuse to start a run this host cannot finish; return the host checked (None: no probe needed).
 
     Capabilities first (CPU ISA, GPU count, threads: nothing but another host helps), then
-    capacity (RAM, GPU memory, free disk), every shortfall of a kind in one message.
+    capacity (RAM, GPU memory, free disk), every shortfall of a kind in one message, then the
+    toolchain (one ``make`` target away).
 
     Args:
         stage: the stage, named in the messages.
@@ -211,6 +294,8 @@ def preflight(stage: StageName, resources: Resources, target: Path, *, host: Hos
         raise short[0]
     if short:
         raise HostRequirementError(stage, "; ".join(e.reason for e in short), "free memory or disk, or run on a larger host")
+    if resources.toolchain is not None:
+        check_toolchain(resources.toolchain)
     return host
 
 

@@ -74,6 +74,9 @@ from ktflow.process import (
     terminate_tree,
 )
 from ktflow.recipe import Recipe
+from ktflow.runner import GpuNeed, RamNeed, Resources, preflight
+from ktflow.sizing import ModelSize, model_size
+from ktflow.stages import host_requirements
 from ktflow.store import atomic_write_bytes, atomic_write_json, read_manifest
 
 ENDPOINT_FILE = "endpoint.json"
@@ -609,6 +612,47 @@ def _check_adapter(adapter_dir: Path, model_dir: Path, validate: bool) -> Path:
     return adapter_dir
 
 
+class ServeSizes(BaseModel):
+    """What the serve stage's needs are a function of."""
+
+    model: ModelSize  # the checkpoint the server loads (sglang: its non-expert weights go to the GPUs)
+    kt_weight_bytes: int = 0  # sglang: the CPU expert weights as ``serving.kt_method`` reads them
+
+
+def measure_serve(model_dir: Path, kt_weight_dir: Path | None = None) -> ServeSizes:
+    """The sizes :func:`serve_needs` reads, from headers only.
+
+    Raises:
+        CheckpointError: a config or header cannot be read.
+    """
+    kt_bytes = 0
+    if kt_weight_dir is not None:
+        kt = model_size(kt_weight_dir)
+        kt_bytes = kt.expert_stored_bytes or kt.stored_bytes  # quantize-int8's output holds experts only
+    return ServeSizes(model=model_size(model_dir), kt_weight_bytes=kt_bytes)
+
+
+def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
+    """What serving ``recipe`` needs of its host: the CPU experts in RAM and the rest on the GPUs
+    (sglang-kt), or the whole model in RAM (LlamaFactory's CPU API); both in BF16 where not quantized.
+    The KV cache comes on top (sglang sizes it from ``mem_fraction_static``), so these are lower bounds.
+    """
+    serving = recipe.serving
+    requirement = host_requirements(recipe)["serve"]
+    if serving.backend == "llamafactory":
+        return Resources(host=requirement, ram=RamNeed(
+            bytes=2 * sizes.model.parameters, what="serve", why="the model in BF16 with the adapter merged"))
+    gpus = max(serving.gpus, 1)
+    return Resources(
+        host=requirement,
+        ram=RamNeed(bytes=sizes.kt_weight_bytes, what="serve", why=f"the CPU experts as {serving.kt_method}",
+                    of="installed", numa_pools=serving.kt_threadpool_count),
+        gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus, gpus=gpus, field="serving.gpus",
+                    what="sglang-kt", why="the non-expert weights in BF16, split over the tensor-parallel ranks; "
+                                          "the KV cache comes on top"),
+    )
+
+
 @dataclass(frozen=True)
 class _Launch:
     """How one backend's server is started, and how to tell that it is ready."""
@@ -807,6 +851,7 @@ def serve(
     model_dir = _check_model_dir(model_dir)
     if adapter_dir is not None:
         adapter_dir = Path(adapter_dir).absolute() if sglang else _check_adapter(adapter_dir, model_dir, validate)
+    host = preflight("serve", serve_needs(recipe, measure_serve(model_dir, kt_weight_dir)), record_dir, host=host)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     return _start_endpoint(
         recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=key, key_file=key_file,

@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +31,16 @@ from pydantic import BaseModel
 
 from ktflow import ENGINE_VERSION
 from ktflow.checkpoint import checkpoint_digest, inspect_checkpoint
-from ktflow.dataset import PreparedDataset, dataset_digest, prepare_dataset
+from ktflow.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
 from ktflow.hardware import HostInfo
 from ktflow.process import ThrottledLines, run_tool
 from ktflow.recipe import Recipe
 from ktflow.safetensors_io import read_header
-from ktflow.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
-from ktflow.stages import check_requirement, host_requirements
-from ktflow.store import (
-    StageManifest,
-    artifact_lock,
-    atomic_write_bytes,
-    publish_dir,
-    read_manifest,
-    staging_dir_for,
-    storage_errors,
-)
+from ktflow.runner import DiskNeed, Job, RamNeed, Resources, StageSpec, ToolchainNeed, find_published, run_stage
+from ktflow.sizing import HF_DOES_NOT_FIT_FIX, ModelSize, hf_sft_gpu_need, model_size, sft_gpu_memory_problem
+from ktflow.stages import host_requirements
+from ktflow.store import StageManifest, atomic_write_bytes, read_manifest
 
 TRAIN_YAML = "train.yaml"
 ACCELERATE_YAML = "accelerate.yaml"
@@ -153,25 +148,6 @@ def check_kt_model(recipe: Recipe, model_config: dict[str, Any] | None, config_p
             )
 
 
-def check_hf_fits_gpus(recipe: Recipe, host: HostInfo, model_dir: Path) -> None:
-    """Refuse, before anything is loaded (or dequantized), a plain SFT whose model cannot fit the GPUs.
-
-    ``sft.backend: hf`` puts every weight on the GPU in BF16, so a MoE bigger than the GPUs it
-    uses stops with CUDA out of memory only after minutes of loading. ``model_dir`` may be the
-    quantized source or its BF16 copy: parameters are counted as the values they decode to. The
-    arithmetic is :func:`ktflow.sizing.estimate_hf_sft_gpu_memory`; other backends and CPU runs
-    pass.
-
-    Raises:
-        HostRequirementError: the model, its LoRA state and activations need more GPU memory than
-            the ``sft.gpus`` GPUs of this host have; names both figures and ``backend: kt`` as the fix.
-        CheckpointError: ``model_dir``'s config or headers cannot be read.
-    """
-    problem = sft_gpu_memory_problem(recipe, host, model_dir)
-    if problem:
-        raise HostRequirementError("sft.backend: hf", problem, HF_DOES_NOT_FIT_FIX)
-
-
 def render_sft(
     recipe: Recipe,
     *,
@@ -194,6 +170,41 @@ def render_sft(
         physical_cores: the default for ``kt_num_threads``.
         model_config: the base model's config.json, when available (FSDP2 wrap class).
     """
+    sft = recipe.sft
+    cfg = _train_config(recipe, model_dir=model_dir, dataset_dir=dataset_dir, output_dir=output_dir)
+    bin_dir, train_yaml = train_python.parent, config_dir / TRAIN_YAML
+    env: dict[str, str] = {}
+    accelerate_config: dict[str, Any] | None = None
+    if sft.backend == "kt":
+        assert sft.kt_config is not None  # the recipe validator guarantees it
+        kt = sft.kt_config.model_dump(exclude_none=True)
+        kt.setdefault("kt_num_threads", physical_cores)
+        cfg.update(use_kt=True, kt_weight_path=str(model_dir))
+        if sft.kt_cpu_activation is not None:
+            cfg["kt_cpu_activation"] = sft.kt_cpu_activation
+        cfg["kt_config"] = kt
+        accelerate_config = _fsdp2_config(recipe, model_config)
+        launch = [
+            str(bin_dir / "accelerate"), "launch", "--config_file", str(config_dir / ACCELERATE_YAML),
+            "--no_python", str(bin_dir / "llamafactory-cli"), "train", str(train_yaml),
+        ]
+    else:
+        if sft.backend == "kt-legacy":
+            cfg.update(use_kt=True, kt_optimize_rule=sft.kt_optimize_rule,
+                       cpu_infer=sft.cpu_infer or physical_cores, chunk_size=sft.chunk_size or 8192)
+            env["USE_KT"] = "1"
+        elif sft.gpus == 0:
+            cfg["use_cpu"] = True
+        if sft.gpus > 0:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(sft.gpus))
+        launch = [str(bin_dir / "llamafactory-cli"), "train", str(train_yaml)]
+    cfg.update(sft.extra_args)
+    env.update(recipe.toolchains.train.env)
+    return SftPlan(train_config=cfg, accelerate_config=accelerate_config, launch=launch, env=env)
+
+
+def _train_config(recipe: Recipe, *, model_dir: Path, dataset_dir: Path, output_dir: Path) -> dict[str, Any]:
+    """LlamaFactory's training keys every backend shares."""
     sft = recipe.sft
     cfg: dict[str, Any] = {
         "model_name_or_path": str(model_dir),
@@ -227,66 +238,36 @@ def render_sft(
         seed=sft.seed,
         data_seed=sft.seed,
     )
-    if sft.warmup_ratio:
-        cfg["warmup_ratio"] = sft.warmup_ratio
-    if sft.max_steps is not None:
-        cfg["max_steps"] = sft.max_steps
-    if sft.max_samples is not None:
-        cfg["max_samples"] = sft.max_samples
-    if sft.disable_gradient_checkpointing:
-        cfg["disable_gradient_checkpointing"] = True
+    optional = {"warmup_ratio": sft.warmup_ratio or None, "max_steps": sft.max_steps, "max_samples": sft.max_samples,
+                "disable_gradient_checkpointing": sft.disable_gradient_checkpointing or None}
+    cfg.update({key: value for key, value in optional.items() if value is not None})
+    return cfg
 
-    bin_dir = train_python.parent
-    env: dict[str, str] = {}
-    accelerate_config: dict[str, Any] | None = None
-    train_yaml = config_dir / TRAIN_YAML
-    if sft.backend == "kt":
-        assert sft.kt_config is not None  # the recipe validator guarantees it
-        kt = sft.kt_config.model_dump(exclude_none=True)
-        kt.setdefault("kt_num_threads", physical_cores)
-        cfg.update(use_kt=True, kt_weight_path=str(model_dir))
-        if sft.kt_cpu_activation is not None:
-            cfg["kt_cpu_activation"] = sft.kt_cpu_activation
-        cfg["kt_config"] = kt
-        accelerate_config = {
-            "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "FSDP",
-            "fsdp_config": {
-                "fsdp_version": 2,
-                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                "fsdp_transformer_layer_cls_to_wrap": decoder_layer_class(recipe, model_config),
-                "fsdp_cpu_ram_efficient_loading": True,
-                "fsdp_offload_params": sft.fsdp_offload_params,
-                "fsdp_reshard_after_forward": True,
-                "fsdp_state_dict_type": "FULL_STATE_DICT",
-                "fsdp_sync_module_states": True,
-            },
-            "machine_rank": 0,
-            "mixed_precision": "bf16" if sft.bf16 else "no",
-            "num_machines": 1,
-            "num_processes": sft.gpus,
-            "rdzv_backend": "static",
-            "same_network": True,
-            "use_cpu": False,
-        }
-        launch = [
-            str(bin_dir / "accelerate"), "launch", "--config_file", str(config_dir / ACCELERATE_YAML),
-            "--no_python", str(bin_dir / "llamafactory-cli"), "train", str(train_yaml),
-        ]
-    elif sft.backend == "kt-legacy":
-        cfg.update(use_kt=True, kt_optimize_rule=sft.kt_optimize_rule, cpu_infer=sft.cpu_infer or physical_cores,
-                   chunk_size=sft.chunk_size or 8192)
-        env["USE_KT"] = "1"
-        launch = [str(bin_dir / "llamafactory-cli"), "train", str(train_yaml)]
-    else:
-        if sft.gpus == 0:
-            cfg["use_cpu"] = True
-        launch = [str(bin_dir / "llamafactory-cli"), "train", str(train_yaml)]
-    if sft.gpus > 0 and sft.backend != "kt":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(sft.gpus))
-    cfg.update(sft.extra_args)
-    env.update(recipe.toolchains.train.env)
-    return SftPlan(train_config=cfg, accelerate_config=accelerate_config, launch=launch, env=env)
+
+def _fsdp2_config(recipe: Recipe, model_config: dict[str, Any] | None) -> dict[str, Any]:
+    """Accelerate's FSDP2 config for KT 0.7 (one decoder layer per unit, as KT's examples)."""
+    sft = recipe.sft
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": decoder_layer_class(recipe, model_config),
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": sft.fsdp_offload_params,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_sync_module_states": True,
+        },
+        "machine_rank": 0,
+        "mixed_precision": "bf16" if sft.bf16 else "no",
+        "num_machines": 1,
+        "num_processes": sft.gpus,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
 
 
 def dump_yaml(mapping: dict[str, Any]) -> str:
@@ -417,8 +398,8 @@ class _TrainerLogFollower:
 # --------------------------------------------------------------------------- the stage
 
 
-def _toolchain_python(recipe: Recipe) -> Path:
-    return recipe.toolchains.train.require(
+def _train_toolchain(recipe: Recipe) -> ToolchainNeed:
+    return recipe.toolchains.train.need(
         "toolchains.train.python", "LlamaFactory (for KT: ktransformers[sft])",
         "kt-train-env" if recipe.sft.backend == "kt" else "train-env",
     )
@@ -434,54 +415,77 @@ def tool_versions(python: Path, packages: tuple[str, ...]) -> dict[str, str]:
         "    except m.PackageNotFoundError: pass\n"
         "print(json.dumps(out))"
     )
-    import subprocess
-
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
     return json.loads(done.stdout) if done.returncode == 0 else {}
 
 
 _GiB = 1 << 30
+# KT's CPU experts: the checkpoint's tensors as stored, plus 10 % for the runtime's buffers.
+_KT_RAM_FACTOR = 1.1
+# A plain CPU run holds the model in fp32 (twice BF16) plus activations and the LoRA state.
+_CPU_RAM_FACTOR = 2.5
 
 
-def check_sft_resources(recipe: Recipe, host: HostInfo, model_bytes: int) -> list[str]:
-    """RAM and disk the run needs on this host, as sentences for what is missing (empty: fine).
+class SftSizes(BaseModel):
+    """What the SFT stage's needs are a function of: the base model's size."""
 
-    ``model_bytes`` is the base checkpoint's tensor bytes. KT keeps the experts in CPU RAM, split
-    over ``kt_threadpool_count`` NUMA pools when ``kt_tp_enabled``; one node running out kills
-    rank 0 hours in ("Gloo connection closes"), so each node is checked. A plain CPU run holds
-    the model in fp32 (twice BF16) plus gradients and optimizer state of the LoRA weights.
+    tensor_bytes: int  # the checkpoint's tensors as stored (KT holds the routed experts in RAM in this form)
+    model: ModelSize | None = None  # parameters as decoded and the LoRA targets (plain GPU training)
+
+
+def measure_sft(model_dir: Path, recipe: Recipe) -> SftSizes:
+    """The sizes :func:`sft_needs` reads, from ``model_dir``'s config and headers (nothing is loaded).
+
+    Raises:
+        CheckpointError: the config or a header cannot be read.
+    """
+    plain_gpu = recipe.sft.backend == "hf" and recipe.sft.gpus > 0
+    return SftSizes(tensor_bytes=inspect_checkpoint(model_dir).tensor_bytes,
+                    model=model_size(model_dir) if plain_gpu else None)
+
+
+def sft_needs(recipe: Recipe, sizes: SftSizes) -> Resources:
+    """What one SFT run of ``recipe`` on a model of ``sizes`` needs of its host.
+
+    KT keeps the routed experts in CPU RAM, split over ``kt_threadpool_count`` NUMA pools when
+    ``kt_tp_enabled``: one node running out kills rank 0 hours in ("Gloo connection closes"), so
+    each node is checked. Plain GPU training holds the whole model on the GPUs
+    (:func:`~ktflow.sizing.hf_sft_gpu_need`); a CPU run holds it in fp32. Full fine-tuning's
+    checkpoints hold the weights and Adam's two moments.
     """
     sft = recipe.sft
-    problems = []
+    ram: RamNeed | None = None
     if sft.backend in ("kt", "kt-legacy"):
         pools = sft.kt_config.effective_threadpool_count if sft.kt_config else 1
-        per_pool = model_bytes / max(pools, 1)
-        nodes = sorted(host.numa, key=lambda n: n.mem_total_bytes)
-        if pools > 1 and len(nodes) >= pools:
-            smallest = nodes[0]
-            if smallest.mem_total_bytes < per_pool * 1.1:
-                problems.append(
-                    f"sft needs ~{per_pool / _GiB:.0f} GiB per NUMA node for its share of the experts "
-                    f"({model_bytes / _GiB:.0f} GiB over {pools} pools); node {smallest.id} has "
-                    f"{smallest.mem_total_bytes / _GiB:.0f} GiB"
-                )
-        if host.ram_bytes < model_bytes * 1.1:
-            problems.append(
-                f"sft needs ~{model_bytes * 1.1 / _GiB:.0f} GiB of RAM for the CPU experts; this host has "
-                f"{host.ram_bytes / _GiB:.0f} GiB"
-            )
-    elif sft.gpus == 0 and host.ram_bytes < model_bytes * 2.5:
-        problems.append(
-            f"CPU training needs ~{model_bytes * 2.5 / _GiB:.1f} GiB of RAM (the model in fp32 and its "
-            f"activations); this host has {host.ram_bytes / _GiB:.1f} GiB"
-        )
-    need_disk = (3 * model_bytes if sft.finetuning_type == "full" else 0) + _GiB
-    if host.disk_free_bytes < need_disk:
-        problems.append(
-            f"sft needs ~{need_disk / _GiB:.1f} GiB free at the store for checkpoints; {host.disk_path} has "
-            f"{host.disk_free_bytes / _GiB:.1f} GiB"
-        )
-    return problems
+        ram = RamNeed(bytes=int(sizes.tensor_bytes * _KT_RAM_FACTOR), what="sft", why="the CPU experts",
+                      of="installed", numa_pools=pools)
+    elif sft.gpus == 0:
+        ram = RamNeed(bytes=int(sizes.tensor_bytes * _CPU_RAM_FACTOR), what="CPU training",
+                      why="the model in fp32 and its activations", of="installed")
+    gpu = hf_sft_gpu_need(sizes.model, sft) if sft.backend == "hf" and sft.gpus and sizes.model else None
+    checkpoints = (3 * sizes.tensor_bytes if sft.finetuning_type == "full" else 0) + _GiB
+    return Resources(
+        host=host_requirements(recipe)["sft"], gpu=gpu, ram=ram, toolchain=_train_toolchain(recipe),
+        disk=(DiskNeed(bytes=checkpoints, what="sft's checkpoints", fix="free disk at the store, or set store.root"),),
+    )
+
+
+def check_hf_fits_gpus(recipe: Recipe, host: HostInfo, model_dir: Path) -> None:
+    """Refuse, before anything is loaded (or dequantized), a plain SFT whose model cannot fit the GPUs.
+
+    ``sft.backend: hf`` puts every weight on the GPU in BF16, so a MoE bigger than the GPUs it
+    uses stops with CUDA out of memory only after minutes of loading. ``model_dir`` may be the
+    quantized source or its BF16 copy: parameters are counted as the values they decode to. It is
+    the GPU part of the stage's own preflight (:func:`sft_needs`); other backends and CPU runs pass.
+
+    Raises:
+        HostRequirementError: the model, its LoRA state and activations need more GPU memory than
+            the ``sft.gpus`` GPUs of this host have; names both figures and ``backend: kt`` as the fix.
+        CheckpointError: ``model_dir``'s config or headers cannot be read.
+    """
+    problem = sft_gpu_memory_problem(recipe, host, model_dir)
+    if problem:
+        raise HostRequirementError("sft.backend: hf", problem, HF_DOES_NOT_FIT_FIX)
 
 
 def locate_adapter(recipe: Recipe, model_dir: Path) -> Path:
@@ -503,6 +507,168 @@ def locate_adapter(recipe: Recipe, model_dir: Path) -> Path:
     return adapter
 
 
+@dataclass(frozen=True, kw_only=True)
+class SftRequest:
+    """One SFT run: ``recipe``'s training on ``model_dir``, checked against ``host``."""
+
+    recipe: Recipe
+    model_dir: Path
+    host: HostInfo
+    on_record: Callable[[TrainerProgress], None] | None = None
+    log: Callable[[str], None] | None = None
+    timeout_s: float | None = None
+
+
+@dataclass(kw_only=True)
+class _Job(Job[SftRequest]):
+    model_dir: Path
+    model_config: dict[str, Any] | None
+    base_digest: str
+    data_digest: str
+    key: str
+    run_dir: Path
+    resumed_from: Path | None = None
+    python: Path | None = None  # the training toolchain's (set by the work)
+
+    @property
+    def output_dir(self) -> Path:
+        return self.run_dir / LF_OUTPUT
+
+
+def _prepare(request: SftRequest) -> _Job:
+    recipe = request.recipe
+    model_dir = request.model_dir.absolute()
+    config_path = model_dir / "config.json"
+    model_config = json.loads(config_path.read_text()) if config_path.exists() else None
+    check_kt_model(recipe, model_config, config_path)
+    validate_dataset(recipe.dataset)  # every record, before anything heavy (all bad ones listed)
+    template_model = model_dir if recipe.sft.template == "empty" else None
+    data_digest = dataset_digest(recipe.dataset, template=recipe.sft.template, model_dir=template_model)
+    base_digest = checkpoint_digest(model_dir)
+    key = run_key(recipe, base_digest=base_digest, data_digest=data_digest)
+    run_dir = run_dir_for(recipe, key).absolute()
+    # One writer per run directory: the LlamaFactory output it resumes from lives beside the adapter.
+    return _Job(request=request, target=run_dir / ADAPTER, lock_dir=run_dir, model_dir=model_dir,
+                model_config=model_config, base_digest=base_digest, data_digest=data_digest, key=key, run_dir=run_dir)
+
+
+def _lookup(job: _Job) -> SftResult | None:
+    published = find_published(job.target, "sft")
+    if published is None:
+        return None
+    return _result_of(job, published, cached=True)
+
+
+def _work(job: _Job, staging: Path) -> None:
+    recipe = job.request.recipe
+    job.python = _train_toolchain(recipe).python
+    argv, env = _launch_in(job)
+    resume = job.resumed_from
+    if resume is not None and recipe.sft.finetuning_type == "lora" and _is_final_checkpoint(resume):
+        # Killed after the last step's checkpoint, before publishing: a resume from it would make
+        # transformers train one step past max_steps. The checkpoint holds the final adapter.
+        _adapter_from_checkpoint(resume, job.output_dir)
+    else:
+        _train(job, argv, env)
+    for name in ADAPTER_FILES:
+        if (job.output_dir / name).is_file():
+            shutil.copy2(job.output_dir / name, staging / name)
+
+
+def _launch_in(job: _Job) -> tuple[list[str], dict[str, str]]:
+    """Prepare the data, write the configs into the run directory and pick up its last checkpoint."""
+    recipe, python = job.request.recipe, job.python
+    assert python is not None
+    template_model = job.model_dir if recipe.sft.template == "empty" else None
+    dataset = prepare_dataset(
+        recipe.dataset, (recipe.store.root / "datasets" / f"{recipe.dataset.name}-{job.data_digest[:12]}").absolute(),
+        template=recipe.sft.template, model_dir=template_model,
+    )
+    plan = render_sft(recipe, model_dir=job.model_dir, dataset_dir=dataset.dataset_dir, output_dir=job.output_dir,
+                      config_dir=job.run_dir, train_python=python, physical_cores=job.request.host.physical_cores,
+                      model_config=job.model_config)
+    atomic_write_bytes(job.run_dir / TRAIN_YAML, dump_yaml(plan.train_config).encode())
+    if plan.accelerate_config is not None:
+        atomic_write_bytes(job.run_dir / ACCELERATE_YAML, dump_yaml(plan.accelerate_config).encode())
+    argv = list(plan.launch)
+    job.resumed_from = last_complete_checkpoint(job.output_dir) if job.output_dir.exists() else None
+    if job.resumed_from is not None:
+        argv.append(f"resume_from_checkpoint={job.resumed_from}")  # LlamaFactory takes key=value after the YAML
+    elif job.output_dir.exists():
+        # Files but no complete checkpoint (killed before the first save): LlamaFactory refuses a
+        # non-empty output_dir, and there is nothing to resume, so start this attempt clean.
+        shutil.rmtree(job.output_dir)
+    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", **plan.env}
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the base and data are local: never reach for a hub
+    return argv, env
+
+
+def _train(job: _Job, argv: list[str], env: dict[str, str]) -> None:
+    """Run LlamaFactory, following its trainer log (progress) and its output (errors)."""
+    request = job.request
+
+    def on_record(record: TrainerProgress) -> None:
+        job.report(record.current_steps, record.total_steps)
+        if request.on_record is not None:
+            request.on_record(record)
+
+    forward = ThrottledLines(request.log or (lambda line: None), keep=lambda line: "Error" in line or "error" in line)
+    with _TrainerLogFollower(job.output_dir / TRAINER_LOG, on_record):
+        run_tool(argv, env=env, log_path=job.run_dir / "train.log", on_line=forward, timeout_s=request.timeout_s)
+
+
+def _verify(job: _Job, staging: Path) -> None:
+    missing = [n for n in ("adapter_model.safetensors", "adapter_config.json") if not (staging / n).is_file()]
+    if job.request.recipe.sft.finetuning_type == "lora" and missing:
+        raise KtflowError(f"LlamaFactory finished but {job.output_dir} lacks {', '.join(missing)}; "
+                          f"see {job.run_dir / 'train.log'}")
+
+
+def _manifest(job: _Job) -> StageManifest:
+    recipe, python = job.request.recipe, job.python
+    assert python is not None
+    summary = _trainer_summary(job.output_dir)
+    config_digest = hashlib.sha256((job.run_dir / TRAIN_YAML).read_bytes()).hexdigest()
+    return StageManifest(
+        stage="sft",
+        inputs={"base": job.base_digest, "data": job.data_digest, "config": config_digest},
+        settings={"backend": recipe.sft.backend, "run_key": job.key},
+        # KT's forks are distributions of their own (llamafactory-kt, transformers-kt, ...) that import
+        # under the upstream module names: a KT toolchain has no "transformers" distribution.
+        tools=tool_versions(python, _TOOL_PACKAGES),
+        extra={"steps": summary["steps"], "final_loss": summary["final_loss"],
+               "tokens_per_second": summary["tokens_per_second"],
+               "loss_curve": (job.output_dir / "training_loss.png").exists(),
+               "resumed_from": str(job.resumed_from) if job.resumed_from else None},
+    )
+
+
+_TOOL_PACKAGES = ("llamafactory", "transformers", "peft", "torch", "accelerate", "trl", "llamafactory-kt",
+                  "transformers-kt", "peft-kt", "accelerate-kt", "trl-kt", "kt-kernel", "ktransformers")
+
+
+def _result_of(job: _Job, manifest: StageManifest, *, cached: bool) -> SftResult:
+    extra = manifest.extra
+    curve = job.output_dir / "training_loss.png"
+    return SftResult(adapter_dir=job.target, run_dir=job.run_dir, cached=cached,
+                     resumed_from=None if cached else extra.get("resumed_from"), steps=extra.get("steps", 0),
+                     final_loss=extra.get("final_loss"), seconds=job.seconds(),
+                     tokens_per_second=extra.get("tokens_per_second"),
+                     loss_curve=curve if extra.get("loss_curve") else None, manifest_digest=manifest.digest())
+
+
+SFT: StageSpec[SftRequest, _Job, SftSizes, SftResult] = StageSpec(
+    name="sft", prepare=_prepare, lookup=_lookup,
+    measure=lambda job, staging: measure_sft(job.model_dir, job.request.recipe),
+    needs=lambda request, sizes: sft_needs(request.recipe, sizes),
+    work=_work, verify=_verify, manifest=_manifest,
+    result=lambda job, manifest: _result_of(job, manifest, cached=False),
+    host_fix="run this stage on a host that has them (ktflow doctor)",
+)
+"""The SFT stage, declared for :func:`~ktflow.runner.run_stage` (and a planner). Its staging holds
+only the adapter's copy: what a retry resumes from is LlamaFactory's output in the run directory."""
+
+
 def run_sft(
     recipe: Recipe,
     *,
@@ -511,102 +677,32 @@ def run_sft(
     progress: Callable[[TrainerProgress], None] | None = None,
     log: Callable[[str], None] | None = None,
     timeout_s: float | None = None,
-    _locked: bool = False,
 ) -> SftResult:
     """Train (or resume, or reuse) the recipe's adapter on ``model_dir``.
 
     One run directory has one writer: a second run of the same recipe, base and data waits on
     :func:`~ktflow.store.artifact_lock` (logging whom it waits for), then finds the adapter
-    published (a cache hit).
+    published (a cache hit). A rerun after a crash resumes from the last complete checkpoint.
+
+    Args:
+        model_dir: the base weights LlamaFactory loads (BF16, or the INT4 source for KT RAWINT4).
+        host: the host the run is checked against (:func:`ktflow.hardware.probe_host`).
+        progress: receives every record of LlamaFactory's trainer log.
+        log: receives LlamaFactory's error lines (throttled).
+        timeout_s: stop training after this long (a retry resumes).
 
     Raises:
         InvalidInputError: the KT backend with a model class it cannot train (:func:`check_kt_model`).
         DatasetError: a bad record (every one is listed); nothing is launched.
         HostRequirementError: this host or toolchain cannot run the recipe's backend, a plain SFT's
-            model cannot fit its GPUs (:func:`check_hf_fits_gpus`), the store has too little free
-            disk, or the store is not writable (all before anything is launched).
+            model cannot fit its GPUs (:func:`check_hf_fits_gpus`), too little RAM or free disk, or
+            the store is not writable (all before anything is launched).
         StorageError: the store filled up (or became read-only) while preparing or publishing.
         ToolError: LlamaFactory failed (its last lines are in the message; the run resumes on retry).
     """
-    started = time.perf_counter()
-    model_dir = model_dir.absolute()
-    config_path = model_dir / "config.json"
-    model_config = json.loads(config_path.read_text()) if config_path.exists() else None
-    check_kt_model(recipe, model_config, config_path)
-    problems = check_requirement(host_requirements(recipe)["sft"], host)
-    if problems:
-        raise HostRequirementError("sft", "; ".join(problems), "run this stage on a host that has them (ktflow doctor)")
-    check_hf_fits_gpus(recipe, host, model_dir)
-    python = _toolchain_python(recipe)
-    problems = check_sft_resources(recipe, host, inspect_checkpoint(model_dir).tensor_bytes)
-    if problems:
-        raise HostRequirementError("sft", "; ".join(problems), "free memory or disk, or use a larger host")
-    template_needs_model = recipe.sft.template == "empty"
-    data_digest = dataset_digest(recipe.dataset, template=recipe.sft.template,
-                                 model_dir=model_dir if template_needs_model else None)
-    base_digest = checkpoint_digest(model_dir)
-    key = run_key(recipe, base_digest=base_digest, data_digest=data_digest)
-    run_dir = run_dir_for(recipe, key).absolute()
-    adapter_dir = run_dir / ADAPTER
-
-    published = read_manifest(adapter_dir) if adapter_dir.is_dir() else None
-    if published is not None:
-        extra = published.extra
-        return SftResult(adapter_dir=adapter_dir, run_dir=run_dir, cached=True, resumed_from=None,
-                         steps=extra.get("steps", 0), final_loss=extra.get("final_loss"),
-                         seconds=time.perf_counter() - started, tokens_per_second=extra.get("tokens_per_second"),
-                         loss_curve=run_dir / LF_OUTPUT / "training_loss.png" if extra.get("loss_curve") else None,
-                         manifest_digest=published.digest())
-    if not _locked:  # one writer per run directory; a concurrent run waits, then finds the adapter
-        with artifact_lock(run_dir), storage_errors(adapter_dir):
-            return run_sft(recipe, model_dir=model_dir, host=host, progress=progress, log=log, timeout_s=timeout_s,
-                           _locked=True)
-
-    # Validate every record before anything heavy; the prepared copy is what LlamaFactory reads.
-    dataset: PreparedDataset = prepare_dataset(
-        recipe.dataset, (recipe.store.root / "datasets" / f"{recipe.dataset.name}-{data_digest[:12]}").absolute(),
-        template=recipe.sft.template, model_dir=model_dir if template_needs_model else None,
-    )
-    output_dir = run_dir / LF_OUTPUT
-    run_dir.mkdir(parents=True, exist_ok=True)
-    plan = render_sft(recipe, model_dir=model_dir, dataset_dir=dataset.dataset_dir, output_dir=output_dir,
-                      config_dir=run_dir, train_python=python, physical_cores=host.physical_cores,
-                      model_config=model_config)
-    atomic_write_bytes(run_dir / TRAIN_YAML, dump_yaml(plan.train_config).encode())
-    if plan.accelerate_config is not None:
-        atomic_write_bytes(run_dir / ACCELERATE_YAML, dump_yaml(plan.accelerate_config).encode())
-
-    resume = last_complete_checkpoint(output_dir) if output_dir.exists() else None
-    argv = list(plan.launch)
-    if resume is not None:
-        argv.append(f"resume_from_checkpoint={resume}")  # LlamaFactory takes key=value after the YAML
-    elif output_dir.exists():
-        # Files but no complete checkpoint (killed before the first save): LlamaFactory refuses a
-        # non-empty output_dir, and there is nothing to resume, so start this attempt clean.
-        shutil.rmtree(output_dir)
-    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", **plan.env}
-    env.setdefault("HF_HUB_OFFLINE", "1")  # the base and data are local: never reach for a hub
-
-    last: list[TrainerProgress] = []
-
-    def on_progress(record: TrainerProgress) -> None:
-        last.append(record)
-        if progress is not None:
-            progress(record)
-
-    forward = ThrottledLines(log or (lambda line: None), keep=lambda line: "Error" in line or "error" in line)
-    if resume is not None and recipe.sft.finetuning_type == "lora" and _is_final_checkpoint(resume):
-        # Killed after the last step's checkpoint, before publishing: a resume from it would make
-        # transformers train one step past max_steps. The checkpoint holds the final adapter.
-        _adapter_from_checkpoint(resume, output_dir)
-    else:
-        with _TrainerLogFollower(output_dir / TRAINER_LOG, on_progress):
-            run_tool(argv, env=env, log_path=run_dir / "train.log", on_line=forward, timeout_s=timeout_s)
-
-    missing = [n for n in ("adapter_model.safetensors", "adapter_config.json") if not (output_dir / n).is_file()]
-    if recipe.sft.finetuning_type == "lora" and missing:
-        raise KtflowError(f"LlamaFactory finished but {output_dir} lacks {', '.join(missing)}; see {run_dir / 'train.log'}")
-    return _publish_adapter(recipe, run_dir, output_dir, python, base_digest, data_digest, key, resume, started)
+    request = SftRequest(recipe=recipe, model_dir=Path(model_dir), host=host, on_record=progress, log=log,
+                         timeout_s=timeout_s)
+    return run_stage(SFT, request, host=host)
 
 
 def _trainer_summary(output_dir: Path) -> dict[str, Any]:
@@ -628,37 +724,3 @@ def _trainer_summary(output_dir: Path) -> dict[str, Any]:
         tokens_per_s = json.loads(results.read_text()).get("train_tokens_per_second", tokens_per_s)
     return {"steps": steps, "final_loss": losses[-1] if losses else None, "losses": losses,
             "tokens_per_second": tokens_per_s}
-
-
-def _publish_adapter(
-    recipe: Recipe, run_dir: Path, output_dir: Path, python: Path, base_digest: str, data_digest: str,
-    key: str, resume: Path | None, started: float,
-) -> SftResult:
-    adapter_dir = run_dir / ADAPTER
-    staging = staging_dir_for(adapter_dir)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in ADAPTER_FILES:
-        if (output_dir / name).is_file():
-            shutil.copy2(output_dir / name, staging / name)
-    summary = _trainer_summary(output_dir)
-    curve = output_dir / "training_loss.png"
-    config_digest = hashlib.sha256((run_dir / TRAIN_YAML).read_bytes()).hexdigest()
-    manifest = StageManifest(
-        stage="sft",
-        inputs={"base": base_digest, "data": data_digest, "config": config_digest},
-        settings={"backend": recipe.sft.backend, "run_key": key},
-        # KT's forks are distributions of their own (llamafactory-kt, transformers-kt, ...) that import
-        # under the upstream module names: a KT toolchain has no "transformers" distribution.
-        tools=tool_versions(python, ("llamafactory", "transformers", "peft", "torch", "accelerate", "trl",
-                                     "llamafactory-kt", "transformers-kt", "peft-kt", "accelerate-kt", "trl-kt",
-                                     "kt-kernel", "ktransformers")),
-        extra={"steps": summary["steps"], "final_loss": summary["final_loss"],
-               "tokens_per_second": summary["tokens_per_second"], "loss_curve": curve.exists(),
-               "resumed_from": str(resume) if resume else None},
-    )
-    manifest = publish_dir(staging, adapter_dir, manifest)
-    return SftResult(adapter_dir=adapter_dir, run_dir=run_dir, cached=False, resumed_from=str(resume) if resume else None,
-                     steps=summary["steps"], final_loss=summary["final_loss"], seconds=time.perf_counter() - started,
-                     tokens_per_second=summary["tokens_per_second"], loss_curve=curve if curve.exists() else None,
-                     manifest_digest=manifest.digest())

@@ -21,6 +21,7 @@ from pydantic import BaseModel, computed_field
 from ktflow.checkpoint import load_config, read_weight_map, text_config
 from ktflow.hardware import HostInfo
 from ktflow.recipe import Recipe, SftConfig
+from ktflow.runner import GpuNeed, gpu_shortfall
 from ktflow.safetensors_io import read_header
 
 GiB = 1 << 30
@@ -29,6 +30,9 @@ _QUANT_METADATA = (".weight_scale", ".weight_shape", ".weight_zero_point", ".wei
 # Weights that LoRA's "all" does not reach through LlamaFactory + transformers 5: embeddings and
 # lm_head (not targets), the MoE router (not an nn.Linear), and routed experts (fused 3-D parameters).
 _NOT_LORA = re.compile(r"(embed_tokens|lm_head|\.mlp\.gate\.|\.experts\.\d+\.|vision_tower|mm_projector)")
+# A routed expert's tensor, per-expert (``.experts.3.gate_proj.weight``) or fused (``.experts.gate_up_proj``);
+# shared experts (``.shared_experts.``) are dense and stay on the GPU under KT.
+_ROUTED_EXPERT = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.")
 # Bytes per trainable parameter under mixed-precision Adam: fp32 weight, gradient and two moments
 # (LlamaFactory keeps trainable parameters in fp32 unless pure_bf16).
 _TRAINABLE_BYTES = 16
@@ -51,6 +55,15 @@ class ModelSize(BaseModel):
     num_layers: int
     vocab_size: int
     linear_shapes: dict[str, tuple[int, int]]  # [out, in] of each Linear a LoRA may target (routed experts left out)
+    expert_parameters: int = 0  # the routed experts' share of ``parameters`` (what KT keeps in CPU RAM)
+    stored_bytes: int = 0  # every tensor as stored (INT4 packed, FP8, BF16), scales included
+    expert_stored_bytes: int = 0  # the routed experts' share of ``stored_bytes``
+    moe_layers: int = 0  # layers with routed experts
+
+    @property
+    def non_expert_parameters(self) -> int:
+        """Attention, dense MLPs, shared experts, routers, embeddings and lm_head: what KT puts on the GPU."""
+        return self.parameters - self.expert_parameters
 
 
 class GpuMemoryEstimate(BaseModel):
@@ -87,18 +100,27 @@ def model_size(path: str | Path) -> ModelSize:
     path = Path(path)
     config = text_config(load_config(path))
     weight_map, _ = read_weight_map(path)
-    parameters = 0
+    parameters = experts = stored = expert_stored = 0
     linear: dict[str, tuple[int, int]] = {}
+    moe_layers: set[str] = set()
     for shard in sorted(set(weight_map.values())):
         for name, info in read_header(path / shard).tensors.items():
-            parameters += _parameters_of(name, info.dtype, info.shape, info.nbytes)
+            count = _parameters_of(name, info.dtype, info.shape, info.nbytes)
+            parameters += count
+            stored += info.nbytes
+            routed = _ROUTED_EXPERT.search(name)
+            if routed:
+                experts += count
+                expert_stored += info.nbytes
+                moe_layers.add(routed.group(1))
             if len(info.shape) == 2 and name.endswith((".weight", ".weight_packed")) and not _NOT_LORA.search(name):
                 cols = info.nbytes // info.shape[0] * 2 if name.endswith(".weight_packed") else info.shape[1]
                 linear[name.rsplit(".", 1)[0]] = (info.shape[0], cols)
     return ModelSize(
         path=str(path), parameters=parameters, hidden_size=int(config.get("hidden_size") or 0),
         num_layers=int(config.get("num_hidden_layers") or 0), vocab_size=int(config.get("vocab_size") or 0),
-        linear_shapes=linear,
+        linear_shapes=linear, expert_parameters=experts, stored_bytes=stored, expert_stored_bytes=expert_stored,
+        moe_layers=len(moe_layers),
     )
 
 
@@ -142,14 +164,31 @@ def estimate_hf_sft_gpu_memory(size: ModelSize, sft: SftConfig) -> GpuMemoryEsti
     )
 
 
+def hf_sft_gpu_need(size: ModelSize, sft: SftConfig) -> GpuNeed:
+    """The GPU memory a plain (``hf``) SFT of ``size`` needs, as the SFT stage declares it.
+
+    The GPUs' memory is summed, a lower bound of what plain LlamaFactory needs: without DeepSpeed
+    or FSDP it puts a whole copy of the model on every GPU.
+    """
+    need = estimate_hf_sft_gpu_memory(size, sft)
+    return GpuNeed(
+        bytes=need.total_bytes, gpus=sft.gpus, summed=True, field="sft.gpus", subject="sft.backend: hf",
+        fix=HF_DOES_NOT_FIT_FIX,
+        what=f"plain LoRA SFT puts the whole model on the GPU in BF16: {size.path} has {size.parameters / 1e9:.1f}B "
+             "parameters, so it",
+        why=f"{need.weights_bytes / GiB:.1f} GiB of BF16 weights, {need.trainable_bytes / GiB:.1f} GiB of trainable "
+            f"weights, gradients and optimizer state, {need.activation_bytes / GiB:.1f} GiB of activations for "
+            f"{need.tokens_per_step} tokens, {need.overhead_bytes / GiB:.1f} GiB of CUDA context and headroom",
+    )
+
+
 def sft_gpu_memory_problem(recipe: Recipe, host: HostInfo, checkpoint_dir: str | Path) -> str | None:
     """Why the recipe's plain SFT cannot fit this host's GPUs (None: it fits, or it does not apply).
 
     Applies to ``sft.backend: hf`` on GPUs only: KT keeps the routed experts in CPU RAM (its RAM is
     checked elsewhere), and a CPU run (``gpus: 0``) is sized against RAM. A host with fewer GPUs
-    than ``sft.gpus`` is reported by the capability check instead. The GPUs' memory is summed, a
-    lower bound of what plain LlamaFactory needs: without DeepSpeed or FSDP it puts a whole copy
-    of the model on every GPU.
+    than ``sft.gpus`` is reported by the capability check instead. The need is
+    :func:`hf_sft_gpu_need`, checked as the SFT stage's preflight checks it.
 
     Raises:
         CheckpointError: the checkpoint's config or headers cannot be read.
@@ -157,21 +196,7 @@ def sft_gpu_memory_problem(recipe: Recipe, host: HostInfo, checkpoint_dir: str |
     sft = recipe.sft
     if sft.backend != "hf" or sft.gpus == 0 or len(host.gpus) < sft.gpus:
         return None
-    size = model_size(checkpoint_dir)
-    need = estimate_hf_sft_gpu_memory(size, sft)
-    gpus = host.gpus[: sft.gpus]
-    have = sum(g.vram_bytes for g in gpus)
-    if need.total_bytes <= have:
-        return None
-    names = ", ".join(sorted({g.name for g in gpus}))
-    return (
-        f"plain LoRA SFT puts the whole model on the GPU in BF16: {size.path} has {size.parameters / 1e9:.1f}B "
-        f"parameters, so it needs ~{need.total_bytes / GiB:.0f} GiB of GPU memory ({need.weights_bytes / GiB:.1f} GiB "
-        f"of BF16 weights, {need.trainable_bytes / GiB:.1f} GiB of trainable weights, gradients and optimizer state, "
-        f"{need.activation_bytes / GiB:.1f} GiB of activations for {need.tokens_per_step} tokens, "
-        f"{need.overhead_bytes / GiB:.1f} GiB of CUDA context and headroom); the {sft.gpus} GPU(s) it uses "
-        f"(sft.gpus: {sft.gpus}; {names}) have {have / GiB:.1f} GiB."
-    )
+    return gpu_shortfall("sft", hf_sft_gpu_need(model_size(checkpoint_dir), sft), host)
 
 
 HF_DOES_NOT_FIT_FIX = (

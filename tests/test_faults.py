@@ -489,7 +489,8 @@ def test_sft_refuses_a_read_only_or_full_store_before_launching(tmp_path: Path, 
     assert ro["rc"] == 0 and "REFUSED" in ro["stdout"] and "Read-only file system" in ro["stdout"], ro
     assert str(mount / "store") in ro["stdout"]
     assert report[2]["listing"] == []
-    assert full["rc"] == 0 and "REFUSED" in full["stdout"] and "free at the store" in full["stdout"], full
+    assert full["rc"] == 0 and "REFUSED" in full["stdout"] and "sft's checkpoints needs" in full["stdout"], full
+    assert str(mount / "store") in full["stdout"] and "free disk at the store" in full["stdout"], full
     assert report[5]["listing"] == []
 
 

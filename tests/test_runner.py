@@ -17,6 +17,7 @@ from ktflow.quantize_int8 import QUANTIZE_INT8, QuantizeInt8Request, QuantizeInt
 from ktflow.runner import (
     INT8_KERNELS,
     DiskNeed,
+    GpuNeed,
     HostRequirement,
     Job,
     RamNeed,
@@ -183,7 +184,7 @@ def test_preflight_refuses_what_the_host_lacks(src: Path, tmp_path: Path, monkey
 
 def test_capabilities_are_checked_before_capacity(tmp_path: Path) -> None:
     needs = Resources(host=HostRequirement(stage="sft", min_gpus=2, min_cpu_variant="avx512_bf16", cpu_reason="KT"),
-                      gpu_memory_bytes=40 * GiB)
+                      gpu=GpuNeed(bytes=40 * GiB, gpus=2))
     with pytest.raises(HostRequirementError) as missing:
         preflight("sft", needs, tmp_path / "out", host=host(variant="avx2", gpus=1), fix="use the GPU host")
     for says in ("sft needs a avx512_bf16 CPU or better (KT)", "sft needs 2 GPU(s); this host has 1",

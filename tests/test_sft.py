@@ -173,6 +173,9 @@ def test_missing_toolchain_is_refused(tmp_path: Path, fixture_dir) -> None:
 
 def test_kt_backend_without_gpus_is_refused_by_preflight(tmp_path: Path, fixture_dir) -> None:
     recipe = load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", [f"store.root={tmp_path}"])
+    data = tmp_path / "train.jsonl"  # good data: the refusal is the host's
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    recipe = recipe.model_copy(update={"dataset": recipe.dataset.model_copy(update={"files": [data]})})
     host = probe_host().model_copy(update={"gpus": []})
     with pytest.raises(HostRequirementError, match="sft needs 1 GPU"):
         run_sft(recipe, model_dir=fixture_dir("bf16"), host=host)
@@ -277,9 +280,14 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
         torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-5)
 
 
-def test_resource_check_per_numa_node_and_disk() -> None:
+def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
     from ktflow.hardware import NumaNode
-    from ktflow.sft import check_sft_resources
+    from ktflow.runner import shortfalls
+    from ktflow.sft import SftSizes, sft_needs
+
+    def problems(recipe, host, model_bytes: int) -> list[str]:
+        needs = sft_needs(recipe, SftSizes(tensor_bytes=model_bytes))
+        return [e.reason for e in shortfalls("sft", needs.model_copy(update={"disk": ()}), tmp_path / "a", host)]
 
     recipe = load_recipe(RECIPES / "kimi-k2.5-bf16-int8.yaml")  # KT, kt_tp_enabled, 2 pools
     host = probe_host().model_copy(update={
@@ -287,14 +295,18 @@ def test_resource_check_per_numa_node_and_disk() -> None:
                  NumaNode(id=1, cpus=[1], mem_total_bytes=700 << 30, mem_free_bytes=0)],
         "numa_nodes": 2, "ram_bytes": 1900 << 30, "disk_free_bytes": 100 << 30,
     })
-    problems = check_sft_resources(recipe, host, model_bytes=2000 << 30)  # 2 TB of BF16 experts
-    assert any("per NUMA node" in p and "node 1 has 700 GiB" in p for p in problems)
-    assert any("RAM for the CPU experts" in p for p in problems)
+    found = problems(recipe, host, 2000 << 30)  # 2 TB of BF16 experts
+    assert any("per NUMA node" in p and "node 1 has 700 GiB" in p for p in found), found
+    assert any("RAM (the CPU experts)" in p for p in found), found
     roomy = host.model_copy(update={"numa": [n.model_copy(update={"mem_total_bytes": 1500 << 30}) for n in host.numa],
                                         "ram_bytes": 3000 << 30})
-    assert check_sft_resources(recipe, roomy, model_bytes=2000 << 30) == []
+    assert problems(recipe, roomy, 2000 << 30) == []
+    # Full fine-tuning's checkpoints hold the weights and Adam's two moments: 3x the model, at the store.
     full = load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", ["sft.finetuning_type=full"])
-    assert any("free at the store" in p for p in check_sft_resources(full, roomy, model_bytes=60 << 30))
+    (disk,) = sft_needs(full, SftSizes(tensor_bytes=60 << 30)).disk
+    assert disk.bytes == (180 << 30) + (1 << 30) and "checkpoints" in disk.what
+    (lora_disk,) = sft_needs(recipe, SftSizes(tensor_bytes=60 << 30)).disk
+    assert lora_disk.bytes == 1 << 30
 
 
 LEGACY_LF = REPO / ".venv-train" / "llamafactory-0.9.4"
