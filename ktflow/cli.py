@@ -72,7 +72,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if recipe is not None:
         from ktflow.stages import check_recipe_on_host
 
-        checks = check_recipe_on_host(recipe, host)
+        checks = _with_plan_problems(check_recipe_on_host(recipe, host), recipe, host)
     if args.json:
         document = host.model_dump(mode="json")
         if recipe is not None:
@@ -101,9 +101,69 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 verdict = ("[green]ok[/]" if c.runnable else "[red]" + "; ".join(c.missing) + "[/]") if c.needed else "-"
                 stages.add_row(c.stage, "yes" if c.needed else "skipped", c.reason, verdict)
             out.print(stages)
+            out.print("`ktflow plan` gives each stage's predicted disk, RAM, GPU memory and time.")
     if checks and not all(c.runnable for c in checks):
         return 2
     return 0
+
+
+def _with_plan_problems(checks: list, recipe, host) -> list:
+    """The doctor's stage checks, with what the plan predicts will not fit (disk, RAM, GPU memory)."""
+    from ktflow.plan import plan_recipe
+
+    plan = {s.stage: s for s in plan_recipe(recipe, host).stages}
+    merged = []
+    for check in checks:
+        extra = [f"{check.stage} {p}" for p in plan[check.stage].problems
+                 if check.needed and not any(p in m for m in check.missing) and "GPU(s)" not in p]
+        merged.append(check.model_copy(update={"missing": check.missing + extra,
+                                               "runnable": check.runnable and not extra}))
+    return merged
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ktflow.hardware import probe_host
+    from ktflow.plan import load_host, plan_recipe
+
+    recipe = _load(args)
+    host = load_host(Path(args.host)) if args.host else probe_host(recipe.store.root)
+    plan = plan_recipe(recipe, host)
+    if args.json:
+        _print_json({**plan.model_dump(mode="json", exclude={"model": {"linear_shapes"}}), "fits": plan.fits,
+                     "seconds": plan.seconds})
+        return 0 if plan.fits else 2
+    out.print(f"plan: {recipe.name} on {host.hostname}; model size from {plan.model_source}")
+    table = Table()
+    for column in ("stage", "disk", "RAM", "GPU memory", "GPUs", "time", "fits"):
+        table.add_column(column)
+    notes = []
+    for s in plan.stages:
+        if not s.needed:
+            table.add_row(s.stage, "", "", "", "", "", "skipped")
+            continue
+        table.add_row(s.stage, _human_bytes(s.disk_bytes) if s.disk_bytes else "-",
+                      _human_bytes(s.ram_bytes) if s.ram_bytes else "-",
+                      _human_bytes(s.gpu_bytes) if s.gpu_bytes else "-", str(s.gpus or "-"),
+                      _duration(s.seconds) if s.seconds is not None else "?",
+                      "[green]yes[/]" if s.fits else "[red]no[/]")
+        notes += [f"[red]{s.stage}: {p}[/]" for p in s.problems]
+        if s.time_basis:
+            notes.append(f"{s.stage} time: {s.time_basis}")
+    out.print(table)
+    for note in notes:
+        out.print(note)
+    total = plan.seconds
+    out.print(f"predicted time: {_duration(total) if total is not None else 'unknown (a stage has no prediction)'}; "
+              f"{'every stage fits' if plan.fits else 'does not fit this host (see why)'}")
+    return 0 if plan.fits else 2
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def cmd_fixture(args: argparse.Namespace) -> int:
@@ -668,6 +728,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("doctor", cmd_doctor, "probe this host; with --recipe, say which stages it can run")
     p.add_argument("--recipe", metavar="FILE")
     _add_set(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = add("plan", cmd_plan, "predict each stage's disk, RAM, GPU memory, GPUs and time on a host, and what fits")
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_set(p)
+    p.add_argument("--host", metavar="FILE", help="plan for the host `ktflow doctor --json` described in FILE")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = add("fixture", cmd_fixture, "write a tiny random MoE checkpoint in a real model's format")

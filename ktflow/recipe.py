@@ -77,6 +77,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+class ModelFacts(_Strict):
+    """What a model card or config.json says of a model's size: lets ``ktflow plan`` size a
+    checkpoint before it is downloaded (once it is here, its headers are used instead)."""
+
+    parameters: int = Field(gt=0, description="Every weight, quantized ones counted as the values they decode to")
+    expert_parameters: int = Field(ge=0, description="The routed experts' share of parameters")
+    stored_bytes: int = Field(gt=0, description="The checkpoint's size on disk")
+    expert_stored_bytes: int = Field(ge=0, description="The routed experts' share of stored_bytes")
+    num_layers: int = Field(gt=0)
+    moe_layers: int = Field(ge=0)
+    hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    routed_experts: int = Field(ge=0)
+    experts_per_token: int = Field(ge=0)
+
+
 class SourceConfig(_Strict):
     """Where the base model comes from, and the format it is in."""
 
@@ -88,6 +104,7 @@ class SourceConfig(_Strict):
     uri: str | None = Field(None, description="An fsspec URL (s3://, gs://, ...) of a checkpoint dir")
     allow_patterns: list[str] | None = Field(None, description="Only fetch files matching these globs")
     format: SourceFormat = Field(description="The checkpoint's format; checked against the files")
+    size: ModelFacts | None = Field(None, description="The model's size before it is downloaded (ktflow plan)")
 
     @field_validator("repo_id")
     @classmethod

@@ -185,24 +185,30 @@ class Resources(BaseModel):
         return self.host is not None or self.ram is not None or self.gpu is not None
 
 
+def _gib(n: float) -> str:
+    """Bytes in GiB, with decimals where a whole number would read as zero."""
+    return f"{n / _GiB:.0f}" if n >= 10 * _GiB else f"{n / _GiB:.2f}"
+
+
 def _ram_shortfall(stage: StageName, ram: RamNeed, host: HostInfo) -> str | None:
     why = f" ({ram.why})" if ram.why else ""
     if ram.of == "available":
         if host.ram_available_bytes >= ram.bytes:
             return None
-        return (f"{ram.what} needs ~{ram.bytes / _GiB:.2f} GiB of RAM{why}; "
-                f"{host.ram_available_bytes / _GiB:.2f} GiB is available")
+        return f"{ram.what} needs ~{_gib(ram.bytes)} GiB of RAM{why}; {_gib(host.ram_available_bytes)} GiB is available"
     problems = []
     nodes = sorted(host.numa, key=lambda n: n.mem_total_bytes)
     share = ram.bytes / max(ram.numa_pools, 1)
     if ram.numa_pools > 1 and len(nodes) >= ram.numa_pools and nodes[0].mem_total_bytes < share:
-        problems.append(f"{ram.what} needs ~{share / _GiB:.0f} GiB per NUMA node for its share{why} "
-                        f"({ram.bytes / _GiB:.0f} GiB over {ram.numa_pools} pools); node {nodes[0].id} has "
-                        f"{nodes[0].mem_total_bytes / _GiB:.0f} GiB")
+        problems.append(f"{ram.what} needs ~{_gib(share)} GiB per NUMA node for its share{why} "
+                        f"({_gib(ram.bytes)} GiB over {ram.numa_pools} pools); node {nodes[0].id} has "
+                        f"{_gib(nodes[0].mem_total_bytes)} GiB")
     if host.ram_bytes < ram.bytes:
-        problems.append(f"{ram.what} needs ~{ram.bytes / _GiB:.0f} GiB of RAM{why}; this host has "
-                        f"{host.ram_bytes / _GiB:.0f} GiB")
+        problems.append(f"{ram.what} needs ~{_gib(ram.bytes)} GiB of RAM{why}; this host has {_gib(host.ram_bytes)} GiB")
     return "; ".join(problems) or None
+
+
+_RAM_FIX = "free memory, or use a larger host (`ktflow plan` says what each stage needs)"
 
 
 def gpu_shortfall(stage: StageName, gpu: GpuNeed, host: HostInfo) -> str | None:
@@ -236,7 +242,7 @@ def shortfalls(stage: StageName, resources: Resources, target: Path, host: HostI
     if resources.ram is not None and host is not None:
         short = _ram_shortfall(stage, resources.ram, host)
         if short:
-            found.append(HostRequirementError(stage, short))
+            found.append(HostRequirementError(stage, short, _RAM_FIX))
     if resources.gpu is not None and host is not None:
         short = gpu_shortfall(stage, resources.gpu, host)
         if short:

@@ -30,15 +30,19 @@ import yaml
 from pydantic import BaseModel
 
 from ktflow import ENGINE_VERSION
-from ktflow.checkpoint import checkpoint_digest, inspect_checkpoint
+from ktflow.checkpoint import checkpoint_digest
 from ktflow.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
 from ktflow.hardware import HostInfo
 from ktflow.process import ThrottledLines, run_tool
 from ktflow.recipe import Recipe
 from ktflow.safetensors_io import read_header
-from ktflow.runner import DiskNeed, Job, RamNeed, Resources, StageSpec, ToolchainNeed, find_published, run_stage
-from ktflow.sizing import HF_DOES_NOT_FIT_FIX, ModelSize, hf_sft_gpu_need, model_size, sft_gpu_memory_problem
+from ktflow.runner import (
+    DiskNeed, GpuNeed, Job, RamNeed, Resources, StageSpec, ToolchainNeed, find_published, run_stage,
+)
+from ktflow.sizing import (
+    HF_DOES_NOT_FIT_FIX, ModelSize, hf_sft_gpu_need, kt_sft_needs, model_size, sft_gpu_memory_problem,
+)
 from ktflow.stages import host_requirements
 from ktflow.store import StageManifest, atomic_write_bytes, read_manifest
 
@@ -420,50 +424,40 @@ def tool_versions(python: Path, packages: tuple[str, ...]) -> dict[str, str]:
 
 
 _GiB = 1 << 30
-# KT's CPU experts: the checkpoint's tensors as stored, plus 10 % for the runtime's buffers.
-_KT_RAM_FACTOR = 1.1
 # A plain CPU run holds the model in fp32 (twice BF16) plus activations and the LoRA state.
 _CPU_RAM_FACTOR = 2.5
 
 
-class SftSizes(BaseModel):
-    """What the SFT stage's needs are a function of: the base model's size."""
-
-    tensor_bytes: int  # the checkpoint's tensors as stored (KT holds the routed experts in RAM in this form)
-    model: ModelSize | None = None  # parameters as decoded and the LoRA targets (plain GPU training)
-
-
-def measure_sft(model_dir: Path, recipe: Recipe) -> SftSizes:
-    """The sizes :func:`sft_needs` reads, from ``model_dir``'s config and headers (nothing is loaded).
+def measure_sft(model_dir: Path) -> ModelSize:
+    """The size :func:`sft_needs` reads, from ``model_dir``'s config and headers (nothing is loaded).
 
     Raises:
         CheckpointError: the config or a header cannot be read.
     """
-    plain_gpu = recipe.sft.backend == "hf" and recipe.sft.gpus > 0
-    return SftSizes(tensor_bytes=inspect_checkpoint(model_dir).tensor_bytes,
-                    model=model_size(model_dir) if plain_gpu else None)
+    return model_size(model_dir)
 
 
-def sft_needs(recipe: Recipe, sizes: SftSizes) -> Resources:
-    """What one SFT run of ``recipe`` on a model of ``sizes`` needs of its host.
+def sft_needs(recipe: Recipe, size: ModelSize) -> Resources:
+    """What one SFT run of ``recipe`` on a model of ``size`` needs of its host.
 
-    KT keeps the routed experts in CPU RAM, split over ``kt_threadpool_count`` NUMA pools when
-    ``kt_tp_enabled``: one node running out kills rank 0 hours in ("Gloo connection closes"), so
-    each node is checked. Plain GPU training holds the whole model on the GPUs
-    (:func:`~ktflow.sizing.hf_sft_gpu_need`); a CPU run holds it in fp32. Full fine-tuning's
-    checkpoints hold the weights and Adam's two moments.
+    KT keeps the routed experts in CPU RAM (:func:`~ktflow.sizing.estimate_kt_sft_memory`), split
+    over ``kt_threadpool_count`` NUMA pools when ``kt_tp_enabled``: one node running out kills
+    rank 0 hours in ("Gloo connection closes"), so each node is checked. Plain GPU training holds
+    the whole model on the GPUs (:func:`~ktflow.sizing.hf_sft_gpu_need`); a CPU run holds it in
+    fp32. Full fine-tuning's checkpoints hold the weights and Adam's two moments. ``ktflow plan``
+    reads the same declaration.
     """
     sft = recipe.sft
+    gpu: GpuNeed | None = None
     ram: RamNeed | None = None
     if sft.backend in ("kt", "kt-legacy"):
-        pools = sft.kt_config.effective_threadpool_count if sft.kt_config else 1
-        ram = RamNeed(bytes=int(sizes.tensor_bytes * _KT_RAM_FACTOR), what="sft", why="the CPU experts",
-                      of="installed", numa_pools=pools)
+        gpu, ram = kt_sft_needs(size, sft)
     elif sft.gpus == 0:
-        ram = RamNeed(bytes=int(sizes.tensor_bytes * _CPU_RAM_FACTOR), what="CPU training",
+        ram = RamNeed(bytes=int(size.stored_bytes * _CPU_RAM_FACTOR), what="CPU training",
                       why="the model in fp32 and its activations", of="installed")
-    gpu = hf_sft_gpu_need(sizes.model, sft) if sft.backend == "hf" and sft.gpus and sizes.model else None
-    checkpoints = (3 * sizes.tensor_bytes if sft.finetuning_type == "full" else 0) + _GiB
+    else:
+        gpu = hf_sft_gpu_need(size, sft)
+    checkpoints = (3 * size.stored_bytes if sft.finetuning_type == "full" else 0) + _GiB
     return Resources(
         host=host_requirements(recipe)["sft"], gpu=gpu, ram=ram, toolchain=_train_toolchain(recipe),
         disk=(DiskNeed(bytes=checkpoints, what="sft's checkpoints", fix="free disk at the store, or set store.root"),),
@@ -657,9 +651,9 @@ def _result_of(job: _Job, manifest: StageManifest, *, cached: bool) -> SftResult
                      loss_curve=curve if extra.get("loss_curve") else None, manifest_digest=manifest.digest())
 
 
-SFT: StageSpec[SftRequest, _Job, SftSizes, SftResult] = StageSpec(
+SFT: StageSpec[SftRequest, _Job, ModelSize, SftResult] = StageSpec(
     name="sft", prepare=_prepare, lookup=_lookup,
-    measure=lambda job, staging: measure_sft(job.model_dir, job.request.recipe),
+    measure=lambda job, staging: measure_sft(job.model_dir),
     needs=lambda request, sizes: sft_needs(request.recipe, sizes),
     work=_work, verify=_verify, manifest=_manifest,
     result=lambda job, manifest: _result_of(job, manifest, cached=False),

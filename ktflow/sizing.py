@@ -21,7 +21,7 @@ from pydantic import BaseModel, computed_field
 from ktflow.checkpoint import load_config, read_weight_map, text_config
 from ktflow.hardware import HostInfo
 from ktflow.recipe import Recipe, SftConfig
-from ktflow.runner import GpuNeed, gpu_shortfall
+from ktflow.runner import GpuNeed, RamNeed, gpu_shortfall
 from ktflow.safetensors_io import read_header
 
 GiB = 1 << 30
@@ -59,6 +59,19 @@ class ModelSize(BaseModel):
     stored_bytes: int = 0  # every tensor as stored (INT4 packed, FP8, BF16), scales included
     expert_stored_bytes: int = 0  # the routed experts' share of ``stored_bytes``
     moe_layers: int = 0  # layers with routed experts
+    routed_experts: int = 0  # per MoE layer (config: n_routed_experts / num_experts)
+    experts_per_token: int = 0  # config: num_experts_per_tok
+
+    @property
+    def expert_parameters_per_layer(self) -> int:
+        return self.expert_parameters // max(self.moe_layers, 1)
+
+    @property
+    def active_parameters(self) -> int:
+        """Matmul parameters one token passes through: its experts and every non-expert Linear
+        (the embedding is a lookup)."""
+        active_experts = self.expert_parameters * self.experts_per_token // max(self.routed_experts, 1)
+        return active_experts + self.non_expert_parameters - self.vocab_size * self.hidden_size
 
     @property
     def non_expert_parameters(self) -> int:
@@ -121,7 +134,22 @@ def model_size(path: str | Path) -> ModelSize:
         num_layers=int(config.get("num_hidden_layers") or 0), vocab_size=int(config.get("vocab_size") or 0),
         linear_shapes=linear, expert_parameters=experts, stored_bytes=stored, expert_stored_bytes=expert_stored,
         moe_layers=len(moe_layers),
+        routed_experts=int(config.get("n_routed_experts") or config.get("num_experts") or
+                           config.get("num_local_experts") or 0),
+        experts_per_token=int(config.get("num_experts_per_tok") or 0),
     )
+
+
+def _activation_bytes(size: ModelSize, sft: SftConfig) -> int:
+    """One micro-batch's activations (a BF16 checkpoint per layer plus one layer's full activations
+    under gradient checkpointing, every layer's without) and its logits."""
+    tokens = sft.cutoff_len * sft.per_device_train_batch_size
+    per_layer = tokens * size.hidden_size * _LAYER_ACTIVATION_BYTES
+    if sft.disable_gradient_checkpointing:
+        layers = per_layer * size.num_layers
+    else:
+        layers = tokens * size.hidden_size * 2 * size.num_layers + per_layer
+    return layers + tokens * size.vocab_size * _LOGIT_BYTES
 
 
 def lora_parameters(size: ModelSize, *, target: str, rank: int) -> int:
@@ -148,20 +176,89 @@ def estimate_hf_sft_gpu_memory(size: ModelSize, sft: SftConfig) -> GpuMemoryEsti
         trainable = size.parameters
     else:
         trainable = lora_parameters(size, target=sft.lora_target, rank=sft.lora_rank)
-    per_layer = tokens * size.hidden_size * _LAYER_ACTIVATION_BYTES
-    if sft.disable_gradient_checkpointing:
-        layers = per_layer * size.num_layers
-    else:
-        layers = tokens * size.hidden_size * 2 * size.num_layers + per_layer
     weights = 2 * size.parameters
     return GpuMemoryEstimate(
         weights_bytes=weights,
         trainable_bytes=_TRAINABLE_BYTES * trainable,
-        activation_bytes=layers + tokens * size.vocab_size * _LOGIT_BYTES,
+        activation_bytes=_activation_bytes(size, sft),
         overhead_bytes=_FIXED_OVERHEAD + int(weights * _OVERHEAD_SHARE),
         trainable_parameters=trainable,
         tokens_per_step=tokens,
     )
+
+
+class KtSftMemoryEstimate(BaseModel):
+    """What a KTransformers 0.7 SFT run holds at peak: GPU memory per GPU and the process tree's RSS."""
+
+    gpu_bytes: int  # on each GPU
+    rss_bytes: int
+    gpu_why: str
+    rss_why: str
+
+
+# Measured on the H100 + 16-core AMX host (docs/benchmarks/calibration.json, "host_rss" and
+# "gpu_memory"): the KT process's own footprint (tiny legs: 3.07-3.13 GiB RSS; 1,445 MiB of GPU:
+# CUDA context, KT's buffers), and RSS per byte of non-expert BF16 weights (the model loaded on
+# the CPU, FSDP's copy and the optimizer: 2.5-3.6 per leg).
+_KT_BASE_RSS = int(3.1 * GiB)
+_KT_BASE_GPU = 1445 * (1 << 20)
+_KT_NON_EXPERT_RSS_FACTOR = 3
+
+
+def kt_share_backward_bb(sft: SftConfig) -> bool:
+    """kt-kernel 0.7.2's default when the recipe leaves it unset: shared backward buffers for every
+    expert format but rawint4 and mxfp4 (``kt_kernel.sft.config``)."""
+    kt = sft.kt_config
+    if kt is not None and kt.kt_share_backward_bb is not None:
+        return kt.kt_share_backward_bb
+    return (kt.effective_weight_format if kt is not None else "bf16") not in ("rawint4", "mxfp4")
+
+
+def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig) -> KtSftMemoryEstimate:
+    """GPU memory and host RSS at the peak of a KT 0.7 LoRA SFT run of ``size``.
+
+    RSS: the routed experts as stored (twice for BF16 experts without shared backward buffers:
+    kt-kernel then keeps a transposed copy; one layer's worth more with them), three times the
+    non-expert weights in BF16, and KT's own footprint. GPU: the non-expert BF16 weights (with
+    FSDP offload only the embeddings, lm_head and two layers are resident at once), LoRA state,
+    one micro-batch's activations and logits, and KT's fixed 1,445 MiB. Constants are fitted on
+    the H100 host's runs; residuals there: RSS -4 to +4 %, GPU -8 to +7 %.
+    """
+    bf16_experts = (sft.kt_config.effective_weight_format if sft.kt_config else "bf16") == "bf16"
+    share_bb = kt_share_backward_bb(sft)
+    experts = size.expert_stored_bytes
+    copies = 2 if bf16_experts and not share_bb else 1
+    one_layer = experts // max(size.moe_layers, 1) if bf16_experts and share_bb else 0
+    non_expert = 2 * size.non_expert_parameters
+    rss = _KT_BASE_RSS + copies * experts + one_layer + _KT_NON_EXPERT_RSS_FACTOR * non_expert
+    gpus = max(sft.gpus, 1)
+    embed = 2 * size.vocab_size * size.hidden_size
+    if sft.fsdp_offload_params:
+        per_layer = (size.non_expert_parameters - embed) // max(size.num_layers, 1)
+        resident = 2 * (embed + 2 * per_layer)
+    else:
+        resident = non_expert // gpus
+    trainable = _TRAINABLE_BYTES * lora_parameters(size, target=sft.lora_target, rank=sft.lora_rank) // gpus
+    activations = _activation_bytes(size, sft)
+    gpu = resident + trainable + activations + _KT_BASE_GPU
+    return KtSftMemoryEstimate(
+        gpu_bytes=gpu, rss_bytes=rss,
+        gpu_why=f"{resident / GiB:.1f} GiB of resident BF16 weights, "
+                f"{trainable / GiB:.1f} GiB of LoRA state, {activations / GiB:.1f} GiB of activations, "
+                f"{_KT_BASE_GPU / GiB:.1f} GiB of CUDA context and KT buffers",
+        rss_why=f"{copies * experts / GiB:.1f} GiB of routed experts as stored"
+                f"{' (a second, transposed BF16 copy: kt_share_backward_bb false)' if copies == 2 else ''}, "
+                f"{_KT_NON_EXPERT_RSS_FACTOR * non_expert / GiB:.1f} GiB for the non-expert weights, "
+                f"{_KT_BASE_RSS / GiB:.1f} GiB of runtime",
+    )
+
+
+def kt_sft_needs(size: ModelSize, sft: SftConfig) -> tuple[GpuNeed, RamNeed]:
+    """The KT SFT stage's GPU and RAM needs (:func:`estimate_kt_sft_memory`), as its preflight checks them."""
+    est = estimate_kt_sft_memory(size, sft)
+    pools = sft.kt_config.effective_threadpool_count if sft.kt_config else 1
+    return (GpuNeed(bytes=est.gpu_bytes, gpus=max(sft.gpus, 1), field="sft.gpus", what="KT SFT", why=est.gpu_why),
+            RamNeed(bytes=est.rss_bytes, what="sft", why=est.rss_why, of="installed", numa_pools=pools))
 
 
 def hf_sft_gpu_need(size: ModelSize, sft: SftConfig) -> GpuNeed:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 from typing import Any
 
 import pytest
@@ -322,6 +323,17 @@ def run_sft_on(host_update: Mapping[str, Any], recipe: str = "tiny-demo.yaml", *
     return build
 
 
+def run_sft_on_a_full_store(w: World) -> Engine:
+    """``run_sft`` where the store's filesystem reports no free space (the preflight measures it)."""
+    engine = run_sft_on({})(w)
+
+    def run() -> Any:
+        with mock.patch("ktflow.store.free_bytes", lambda path: 0):
+            return engine.call()
+
+    return Engine(run, engine.error)
+
+
 def _stub_toolchain(package: str, version: str) -> Callable[[World], Path]:
     """A toolchain python whose installed ``package`` distribution is ``version`` (a dist-info on its path)."""
     def make(w: World) -> Path:
@@ -504,8 +516,8 @@ CATALOG: list[Case] = [
                     "qwen3-30b-a3b-bf16.yaml", "sft.kt_config.kt_tp_enabled=true",
                     "sft.kt_config.kt_threadpool_count=2"),
          ("sft", "per NUMA node", "node 1 has"), ("use a larger host",)),
-    Case("env-not-enough-disk", "environment", run_sft_on({"disk_free_bytes": 0}),
-         ("sft", "free at the store", "/store has 0.0 GiB"), ("free memory or disk",)),
+    Case("env-not-enough-disk", "environment", run_sft_on_a_full_store,
+         ("sft's checkpoints needs", "more on this filesystem", "(0 bytes) free"), ("free disk at the store",)),
 ]
 
 

@@ -283,10 +283,16 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
 def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
     from ktflow.hardware import NumaNode
     from ktflow.runner import shortfalls
-    from ktflow.sft import SftSizes, sft_needs
+    from ktflow.sft import sft_needs
+    from ktflow.sizing import ModelSize
+
+    def size(stored: int) -> ModelSize:  # a MoE whose weights are nearly all routed experts, in BF16
+        return ModelSize(path="m", parameters=stored // 2, expert_parameters=stored // 2 - (1 << 20), hidden_size=64,
+                         num_layers=4, vocab_size=64, linear_shapes={}, stored_bytes=stored,
+                         expert_stored_bytes=stored - (2 << 20), moe_layers=4, routed_experts=8, experts_per_token=2)
 
     def problems(recipe, host, model_bytes: int) -> list[str]:
-        needs = sft_needs(recipe, SftSizes(tensor_bytes=model_bytes))
+        needs = sft_needs(recipe, size(model_bytes))
         return [e.reason for e in shortfalls("sft", needs.model_copy(update={"disk": ()}), tmp_path / "a", host)]
 
     recipe = load_recipe(RECIPES / "kimi-k2.5-bf16-int8.yaml")  # KT, kt_tp_enabled, 2 pools
@@ -297,15 +303,15 @@ def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
     })
     found = problems(recipe, host, 2000 << 30)  # 2 TB of BF16 experts
     assert any("per NUMA node" in p and "node 1 has 700 GiB" in p for p in found), found
-    assert any("RAM (the CPU experts)" in p for p in found), found
+    assert any("GiB of RAM (" in p and "routed experts as stored" in p for p in found), found
     roomy = host.model_copy(update={"numa": [n.model_copy(update={"mem_total_bytes": 1500 << 30}) for n in host.numa],
                                         "ram_bytes": 3000 << 30})
     assert problems(recipe, roomy, 2000 << 30) == []
     # Full fine-tuning's checkpoints hold the weights and Adam's two moments: 3x the model, at the store.
     full = load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", ["sft.finetuning_type=full"])
-    (disk,) = sft_needs(full, SftSizes(tensor_bytes=60 << 30)).disk
+    (disk,) = sft_needs(full, size(60 << 30)).disk
     assert disk.bytes == (180 << 30) + (1 << 30) and "checkpoints" in disk.what
-    (lora_disk,) = sft_needs(recipe, SftSizes(tensor_bytes=60 << 30)).disk
+    (lora_disk,) = sft_needs(recipe, size(60 << 30)).disk
     assert lora_disk.bytes == 1 << 30
 
 

@@ -1,0 +1,303 @@
+"""Plan before starting: what each stage of a recipe will need of a host, and how long it will take.
+
+:func:`plan_recipe` reads each stage's own declaration (``sft_needs``, ``serve_needs``, the
+dequantizer's and quantizer's byte counts: the same functions their preflights check) for the
+model's size, and adds a predicted wall time from :class:`CostModel`, whose constants are fitted
+on the runs kept in docs/benchmarks (``calibration.json`` lists every one with its source files).
+
+The model's size comes from the checkpoint's headers when it is on this host, else from the
+recipe's ``source.size`` (what a model card or config.json says), so a 600 GB download is
+sized before it starts. ``ktflow plan RECIPE [--host FILE] [--json]`` prints it; ``--host``
+plans for another machine described by ``ktflow doctor --json``.
+
+Times are predictions for the host kind they were measured on (an H100 + 16-core AMX Xeon)
+scaled by thread count; where a stage has no calibration (the download's network), the line
+says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ktflow.errors import InvalidInputError
+from ktflow.hardware import HostInfo
+from ktflow.recipe import ModelFacts, Recipe, SftConfig
+from ktflow.runner import StageName, check_requirement
+from ktflow.sizing import ModelSize, kt_share_backward_bb, model_size
+from ktflow.stages import host_requirements, plan_stages
+
+_GB = 1e9
+_GiB = 1 << 30
+
+
+class CostModel(BaseModel):
+    """Constants of the time model, each fitted on measured runs (docs/benchmarks/calibration.json).
+
+    KT SFT's step streams every MoE layer's routed experts through the CPU kernels once per pass
+    (forward, the recompute under gradient checkpointing, and backward at twice a forward's cost),
+    so its time follows expert parameters per micro-batch, not FLOPs, at these batch sizes.
+    """
+
+    # Expert parameters per second per pass and per KT thread: 26.7e9 on 16 threads (the V2-Lite
+    # profile); the 57B RAWINT4 run, not used for the fit, implies 27.6e9.
+    kt_expert_params_per_thread_s: float = 26.7e9 / 16
+    kt_forward_call_s: float = 0.0187  # KT's fixed cost per MoE layer and micro-batch, forward (tiny profile)
+    kt_backward_call_s: float = 0.0356  # and backward
+    kt_repack_wait_s_per_param: float = 5.44e-11  # blocking backward repack with shared buffers (V2-Lite profile)
+    # GPU and framework time per micro-batch: with FSDP offload it moves the non-expert weights
+    # (0.331 s + 0.55 s per GB of them); without, GPU matmuls at the HF backend's measured rate.
+    kt_gpu_offload_base_s: float = 0.331
+    kt_gpu_offload_s_per_gb: float = 0.55
+    kt_gpu_base_s: float = 0.14
+    # Plain LoRA SFT (transformers 5's MoE path is launch-bound): 0.179 s per micro-batch plus
+    # 6 x active parameters x tokens (4 x without gradient checkpointing) at 18.5 TFLOP/s.
+    hf_micro_batch_s: float = 0.179
+    hf_flops_per_s: float = 18.5e12
+    kt_matmul_flops_per_s: float = 12.4e12  # the non-expert GPU work under KT (fit on the tiny GPU-host run)
+    # Loading the checkpoint before the first step, and ktflow's own work around a run.
+    kt_load_s: float = 36.0
+    kt_load_s_per_gb: float = 0.64
+    hf_load_s: float = 24.5
+    hf_load_s_per_gb: float = 0.4
+    prelaunch_s: float = 15.0
+    publish_s: float = 2.0
+    # Dequantize writes BF16 durably at ~2.5 GB/s on both hosts measured (disk-bound); quantize-int8
+    # reads BF16 experts at 0.14 GB/s per core (2-core box: 1.61 GB in 5.65 s); README's figures.
+    dequantize_bytes_per_s: float = 2.5e9
+    quantize_bytes_per_core_s: float = 0.14e9
+
+
+COSTS = CostModel()
+"""The constants ktflow plans with."""
+
+
+class StageEstimate(BaseModel):
+    """One stage's predicted needs on one host, and whether they fit."""
+
+    stage: StageName
+    needed: bool
+    reason: str
+    disk_bytes: int = 0
+    ram_bytes: int = 0
+    gpu_bytes: int = 0  # on each GPU
+    gpus: int = 0
+    seconds: float | None = None
+    time_basis: str = ""
+    fits: bool = True
+    problems: list[str] = []
+
+
+class Plan(BaseModel):
+    """A recipe's stages on a host: ``ktflow plan``'s output."""
+
+    recipe: str
+    host: str
+    model_source: str  # where the model's size came from
+    model: ModelSize | None
+    stages: list[StageEstimate]
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages if s.needed)
+
+    @property
+    def seconds(self) -> float | None:
+        times = [s.seconds for s in self.stages if s.needed]
+        return None if any(t is None for t in times) else sum(t for t in times if t is not None)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def kt_step_seconds(size: ModelSize, sft: SftConfig, threads: int, costs: CostModel = COSTS,
+                    tokens_per_micro_batch: int | None = None) -> float:
+    """One optimizer step of KT 0.7 LoRA SFT, in seconds."""
+    micro_batches = sft.gradient_accumulation_steps
+    rate = costs.kt_expert_params_per_thread_s * max(threads, 1)
+    per_layer = size.expert_parameters_per_layer / rate
+    recompute = not sft.disable_gradient_checkpointing and sft.kt_cpu_activation != "retain"
+    forwards = 2 if recompute else 1
+    layer_s = forwards * (costs.kt_forward_call_s + per_layer) + costs.kt_backward_call_s + 2 * per_layer
+    tokens = tokens_per_micro_batch or sft.cutoff_len * sft.per_device_train_batch_size
+    if sft.fsdp_offload_params:
+        gpu_s = costs.kt_gpu_offload_base_s + costs.kt_gpu_offload_s_per_gb * 2 * size.non_expert_parameters / _GB
+    else:
+        non_expert_matmul = size.non_expert_parameters - size.vocab_size * size.hidden_size
+        gpu_s = costs.kt_gpu_base_s + 4 * non_expert_matmul * tokens / costs.kt_matmul_flops_per_s
+    wait = costs.kt_repack_wait_s_per_param * size.expert_parameters if kt_share_backward_bb(sft) else 0.0
+    return micro_batches * (gpu_s + size.moe_layers * layer_s + wait)
+
+
+def hf_step_seconds(size: ModelSize, sft: SftConfig, costs: CostModel = COSTS,
+                    tokens_per_step: int | None = None) -> float:
+    """One optimizer step of plain LoRA SFT on the GPUs, in seconds."""
+    micro_batches = sft.gradient_accumulation_steps
+    tokens = tokens_per_step or sft.cutoff_len * sft.per_device_train_batch_size * micro_batches
+    passes = 4 if sft.disable_gradient_checkpointing else 6
+    flops = passes * size.active_parameters * tokens / max(sft.gpus, 1)
+    return micro_batches * costs.hf_micro_batch_s + flops / costs.hf_flops_per_s
+
+
+def sft_steps(recipe: Recipe, records: int | None) -> int | None:
+    """Optimizer steps the run takes: ``max_steps``, else epochs over the records (None: unknown)."""
+    sft = recipe.sft
+    if sft.max_steps is not None:
+        return sft.max_steps
+    if records is None:
+        return None
+    per_step = sft.per_device_train_batch_size * sft.gradient_accumulation_steps * max(sft.gpus, 1)
+    records = min(records, sft.max_samples or records)
+    return max(1, int(sft.num_train_epochs * -(-records // per_step)))
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def model_size_for(recipe: Recipe) -> tuple[ModelSize | None, str]:
+    """The model's size and where it came from: the checkpoint on this host, else the recipe's
+    ``source.size``, else unknown."""
+    from ktflow.weights import expected_source
+
+    source = expected_source(recipe)
+    if (source / "config.json").is_file():
+        return model_size(source), f"checkpoint headers at {source}"
+    facts = recipe.source.size
+    if facts is not None:
+        return size_from_facts(facts, str(recipe.source.repo_id or recipe.source.uri)), "the recipe's source.size"
+    return None, "unknown: not downloaded, and the recipe has no source.size"
+
+
+def size_from_facts(facts: ModelFacts, path: str) -> ModelSize:
+    """A :class:`ModelSize` from a recipe's model facts (no LoRA target shapes: LoRA state is small)."""
+    return ModelSize(path=path, linear_shapes={}, **facts.model_dump())
+
+
+def plan_recipe(recipe: Recipe, host: HostInfo, *, size: ModelSize | None = None, model_source: str = "",
+                records: int | None = None, costs: CostModel = COSTS) -> Plan:
+    """Predict every stage of ``recipe`` on ``host``: disk, RAM, GPU memory, GPUs and time, and what does not fit.
+
+    Args:
+        size: the model's size (default: :func:`model_size_for`).
+        records: the training records (default: counted from the dataset files when they exist).
+    """
+    if size is None:
+        size, model_source = model_size_for(recipe)
+    if records is None:
+        records = _count_records(recipe)
+    requirements = host_requirements(recipe)
+    estimates = []
+    for stage in plan_stages(recipe, host):
+        line = StageEstimate(stage=stage.stage, needed=stage.needed, reason=stage.reason)
+        if stage.needed:
+            line.problems = check_requirement(requirements[stage.stage], host)
+            if size is not None:
+                _predict(line, recipe, host, size, records, costs)
+            else:
+                line.time_basis = "model size unknown"
+            line.fits = not line.problems
+        estimates.append(line)
+    return Plan(recipe=recipe.name, host=host.hostname, model_source=model_source, model=size, stages=estimates)
+
+
+def _count_records(recipe: Recipe) -> int | None:
+    from ktflow.dataset import validate_dataset
+    from ktflow.errors import KtflowError
+
+    try:
+        return validate_dataset(recipe.dataset) if all(Path(f).is_file() for f in recipe.dataset.files) else None
+    except KtflowError:
+        return None
+
+
+def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
+             costs: CostModel) -> None:
+    bf16_bytes = 2 * size.parameters
+    if line.stage == "download":
+        line.disk_bytes = size.stored_bytes
+        line.time_basis = "network-bound: not predicted"
+    elif line.stage == "dequantize":
+        line.disk_bytes = bf16_bytes
+        line.ram_bytes = 1 << 30
+        line.seconds = bf16_bytes / costs.dequantize_bytes_per_s
+        line.time_basis = f"{costs.dequantize_bytes_per_s / _GB:.1f} GB/s of BF16 written (fsync)"
+    elif line.stage == "sft":
+        _predict_sft(line, recipe, host, size, records, costs)
+    elif line.stage == "quantize-int8":
+        expert_bf16 = 2 * size.expert_parameters
+        line.disk_bytes = size.expert_parameters + size.expert_parameters // 16  # INT8 + scales
+        line.ram_bytes = 2 * expert_bf16 // max(size.moe_layers, 1)
+        line.seconds = expert_bf16 / (costs.quantize_bytes_per_core_s * host.physical_cores)
+        line.time_basis = f"{costs.quantize_bytes_per_core_s / _GB:.2f} GB/s of BF16 experts per core"
+    elif line.stage == "serve":
+        from ktflow.serve import ServeSizes, serve_needs
+
+        kt_bytes = size.expert_parameters if recipe.serving.kt_method == "AMXINT8" else size.expert_stored_bytes
+        needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=kt_bytes))
+        line.ram_bytes = needs.ram.bytes if needs.ram else 0
+        line.gpu_bytes, line.gpus = (needs.gpu.bytes, needs.gpu.gpus) if needs.gpu else (0, 0)
+    elif line.stage == "convert-lora":
+        line.disk_bytes = 1 << 30
+    _check_fit(line, host)
+
+
+def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
+                 costs: CostModel) -> None:
+    from ktflow.sft import sft_needs
+
+    sft = recipe.sft
+    needs = sft_needs(recipe, size)
+    line.disk_bytes = sum(d.bytes for d in needs.disk)
+    line.ram_bytes = needs.ram.bytes if needs.ram else 0
+    line.gpu_bytes = needs.gpu.bytes // (needs.gpu.gpus if needs.gpu.summed else 1) if needs.gpu else 0
+    line.gpus = sft.gpus
+    gb = size.stored_bytes / _GB
+    if sft.backend == "kt":
+        threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
+        step = kt_step_seconds(size, sft, threads, costs)
+        load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
+        basis = f"KT step {step:.1f} s ({threads} threads; fitted on the H100 + 16-core AMX host)"
+    elif sft.backend == "hf" and sft.gpus > 0:
+        step = hf_step_seconds(size, sft, costs)
+        load = costs.hf_load_s + costs.hf_load_s_per_gb * gb
+        basis = f"step {step:.1f} s at most (cutoff_len tokens a sample; fitted on the H100 host)"
+    else:
+        line.time_basis = f"no calibration for sft.backend {sft.backend} on {sft.gpus} GPU(s)"
+        return
+    steps = sft_steps(recipe, records)
+    if steps is None:
+        line.time_basis = basis + "; steps unknown until the dataset is here"
+        return
+    line.seconds = costs.prelaunch_s + load + steps * step + costs.publish_s
+    line.time_basis = f"{basis}, {steps} steps"
+
+
+def _check_fit(line: StageEstimate, host: HostInfo) -> None:
+    if line.disk_bytes > host.disk_free_bytes:
+        line.problems.append(f"needs ~{line.disk_bytes / _GiB:.1f} GiB of disk; {host.disk_path} has "
+                             f"{host.disk_free_bytes / _GiB:.1f} GiB free")
+    if line.ram_bytes > host.ram_bytes:
+        line.problems.append(f"needs ~{line.ram_bytes / _GiB:.1f} GiB of RAM; this host has {host.ram_bytes / _GiB:.1f} GiB")
+    if line.gpu_bytes:
+        small = [g for g in host.gpus[: max(line.gpus, 1)] if g.vram_bytes < line.gpu_bytes]
+        if small:
+            line.problems.append(f"needs ~{line.gpu_bytes / _GiB:.1f} GiB on each GPU; {small[0].name} has "
+                                 f"{small[0].vram_bytes / _GiB:.1f} GiB")
+
+
+def load_host(path: Path) -> HostInfo:
+    """A host described by ``ktflow doctor --json`` (its recipe and stage checks are ignored).
+
+    Raises:
+        InvalidInputError: the file is not such a description.
+    """
+    try:
+        document = json.loads(Path(path).read_text())
+        if not isinstance(document, dict):
+            raise ValueError(f"a JSON {type(document).__name__}, not an object")
+        return HostInfo.model_validate({k: v for k, v in document.items() if k in HostInfo.model_fields})
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"--host {path}", f"is not a host description: {exc}",
+                                "write one with `ktflow doctor --json > host.json` on that host") from None
