@@ -211,9 +211,10 @@ class KtConfig(_Strict):
 class SftConfig(_Strict):
     """LoRA SFT through LlamaFactory. Field names are LlamaFactory's."""
 
-    backend: Literal["kt", "kt-legacy", "hf"] = Field(
+    backend: Literal["auto", "kt", "kt-legacy", "hf"] = Field(
         description="kt: KTransformers 0.7 (accelerate + kt_config); kt-legacy: KT 0.4-0.6 "
-        "(USE_KT=1, kt_optimize_rule); hf: plain LlamaFactory (small models, CPU)"
+        "(USE_KT=1, kt_optimize_rule); hf: plain LlamaFactory (small models, CPU); auto: hf when the model fits "
+        "the GPUs and is predicted faster there, else kt (ktflow plan says which and why)"
     )
     gpus: int = Field(1, ge=0, description="GPUs for training (accelerate num_processes); 0 = CPU")
     template: str = Field("default", description="LlamaFactory chat template name")
@@ -284,6 +285,15 @@ class SftConfig(_Strict):
                     "or set disable_gradient_checkpointing: false"
                 )
             _check_kt_config(self, self.kt_config)
+        elif self.backend == "auto":
+            if legacy:
+                raise ValueError(
+                    f"backend 'auto' chooses between hf and kt (KTransformers 0.7); it does not take the legacy "
+                    f"field(s) {', '.join(legacy)}. Remove them, or set backend: kt-legacy"
+                )
+            if self.gpus < 1:
+                raise ValueError("@gpus: backend 'auto' chooses between GPU backends and needs gpus >= 1; "
+                                 "for a CPU run set backend: hf and gpus: 0")
         elif self.backend == "kt-legacy":
             if v07:
                 raise ValueError(
@@ -614,6 +624,16 @@ class Recipe(_Strict):
         return _path_component(value, r"[a-z0-9][a-z0-9_.-]*", "lowercase letters, digits, '_', '-' and '.'")
 
     @model_validator(mode="after")
+    def _auto_has_a_valid_kt_side(self) -> Recipe:
+        if self.sft.backend == "auto":
+            try:
+                with_sft_backend(self, "kt")
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise ValueError(f"backend 'auto' may choose kt, but its KT settings are not valid: {first['msg']}") from None
+        return self
+
+    @model_validator(mode="after")
     def _weights_fit_the_source(self) -> Recipe:
         fmt = self.source.format
         if self.sft.backend == "kt" and "deepseek-v2" in (self.source.repo_id or "").lower():
@@ -674,8 +694,47 @@ def int8_threadpool_count(recipe: Recipe) -> int:
     return recipe.conversion.int8_threadpool_count or recipe.serving.kt_threadpool_count
 
 
+def kt_config_for(fmt: str) -> KtConfig:
+    """KT 0.7's expert settings for a source format, as KT's recipes set them: BF16 experts from a
+    BF16 source, Kimi's INT4 experts as they are (RAWINT4), DeepSeek's FP8 as they are."""
+    if fmt in INT4_FORMATS:
+        return KtConfig(kt_backend="RAWINT4", kt_expert_weight_format="rawint4", kt_share_backward_bb=False)
+    if fmt == "deepseek-v3-fp8":
+        return KtConfig(kt_backend="FP8", kt_expert_weight_format="fp8")
+    return KtConfig(kt_backend="AMXBF16", kt_expert_weight_format="bf16")
+
+
+def with_sft_backend(recipe: Recipe, backend: Literal["hf", "kt"], **kt_settings: Any) -> Recipe:
+    """``recipe`` with ``sft.backend: auto`` resolved to ``backend``, validated as if written so.
+
+    For kt, the recipe's ``kt_config`` (else :func:`kt_config_for` the source's format) is used,
+    with ``kt_settings`` (``kt_config`` keys, and ``kt_cpu_activation``) filled in where the recipe
+    leaves them unset: a recipe's explicit value always wins.
+
+    Raises:
+        ValidationError: the resolved recipe is not valid (e.g. RAWINT4's LoRA rules).
+    """
+    sft = recipe.sft.model_dump(exclude_unset=False)
+    if backend == "hf":
+        sft.update(backend="hf", kt_config=None, kt_cpu_activation=None)
+    else:
+        kt = (recipe.sft.kt_config or kt_config_for(recipe.source.format)).model_dump()
+        for key, value in kt_settings.items():
+            if key.startswith("kt_") and key in kt and kt[key] is None:
+                kt[key] = value
+        activation = sft.get("kt_cpu_activation") or kt_settings.get("kt_cpu_activation")
+        sft.update(backend="kt", kt_config=kt, kt_cpu_activation=activation)
+    return Recipe.model_validate({**recipe.model_dump(), "sft": sft})
+
+
 def needs_bf16_weights(recipe: Recipe) -> bool:
-    """Whether any stage reads BF16 weights (so a quantized source must be dequantized)."""
+    """Whether any stage reads BF16 weights (so a quantized source must be dequantized).
+
+    ``sft.backend: auto`` counts as its KT side: auto picks hf only where the training weights
+    are BF16 anyway (``ktflow.sft.choose_sft_backend``), so it never makes a BF16 copy of its own.
+    """
+    if recipe.sft.backend == "auto":
+        recipe = with_sft_backend(recipe, "kt")
     sft = recipe.sft
     sft_bf16 = sft.backend in ("hf", "kt-legacy") or (
         sft.kt_config is not None and sft.kt_config.effective_weight_format == "bf16"

@@ -17,6 +17,7 @@ from ktflow.recipe import (
     int8_threadpool_count,
     needs_bf16_weights,
     needs_int8_weights,
+    with_sft_backend,
 )
 from ktflow.runner import (  # the stage vocabulary lives with the runner; re-exported for the planners' callers
     INT8_KERNELS,
@@ -132,6 +133,8 @@ def _plan(recipe: Recipe) -> list[StagePlan]:
 
 
 def _bf16_readers(recipe: Recipe) -> str:
+    if recipe.sft.backend == "auto":  # auto reads BF16 as its KT side does (ktflow.recipe.needs_bf16_weights)
+        recipe = with_sft_backend(recipe, "kt")
     readers = []
     sft = recipe.sft
     if sft.backend != "kt" or (sft.kt_config and sft.kt_config.effective_weight_format == "bf16"):
@@ -161,7 +164,7 @@ def host_requirements(recipe: Recipe) -> dict[StageName, HostRequirement]:
         reqs["sft"] = HostRequirement(stage="sft", min_cpu_variant="amx", min_gpus=sft.gpus,
                                       cpu_reason="KT before 0.7 trains with AMX kernels only",
                                       max_threads=sft.cpu_infer, threads_field="sft.cpu_infer")
-    else:
+    else:  # hf, and auto (which picks kt only where kt's CPU requirement holds)
         reqs["sft"] = HostRequirement(stage="sft", min_gpus=sft.gpus)
 
     if needs_int8_weights(recipe):

@@ -58,7 +58,9 @@ def sft_task(recipe: Recipe, model_dir: str) -> SftResult:
         create_markdown_artifact(
             key="sft-summary",
             markdown=(
-                f"### SFT: {recipe.name} ({recipe.sft.backend})\n\n"
+                f"### SFT: {recipe.name} ({result.backend or recipe.sft.backend})\n\n"
+                + (f"`sft.backend: auto` chose {result.backend_reason}\n\n" if result.backend_reason else "")
+                +
                 "| steps | final loss | tokens/s | seconds | resumed from | adapter |\n|---|---|---|---|---|---|\n"
                 f"| {result.steps} | {loss} | {result.tokens_per_second or '-'} | {result.seconds:.0f} | "
                 f"{result.resumed_from or '-'} | `{result.adapter_dir}` |\n"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from ktflow.hardware import GpuInfo, HostInfo, NumaNode
-from ktflow.plan import hf_step_seconds, kt_step_seconds, load_host, plan_recipe, size_from_facts
+from ktflow.costs import hf_step_seconds, kt_step_seconds
+from ktflow.plan import load_host, plan_recipe, size_from_facts
 from ktflow.recipe import ModelFacts, load_recipe
 from ktflow.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory
 
@@ -139,3 +140,75 @@ def test_the_plan_cli_and_another_hosts_description(tmp_path: Path, monkeypatch:
     (bad := tmp_path / "bad.json").write_text("[]")
     assert main(["plan", recipe, "--host", str(bad)]) == 2
     assert "ktflow doctor --json" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- sft.backend: auto
+
+
+def _v2_lite() -> ModelSize:
+    return _size(_leg("v2lite-kt-default")["model"])
+
+
+def _h100(**update) -> HostInfo:
+    return _host(gpus=1, ram_gib=125, disk_gib=60, cores=16).model_copy(update={"cpu_variant": "amx", **update})
+
+
+def test_auto_picks_hf_where_the_model_fits_and_kt_tuned_where_it_does_not() -> None:
+    from ktflow.sft import choose_sft_backend
+
+    recipe = load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", ["sft.backend=auto"])
+    fits = choose_sft_backend(recipe, _v2_lite(), _h100())
+    assert fits.backend == "hf" and fits.recipe.sft.backend == "hf" and fits.recipe.sft.kt_config is None
+    assert fits.hf_step_s is not None and fits.kt_step_s is not None and fits.hf_step_s < fits.kt_step_s
+    assert "fits the GPUs" in fits.reason
+
+    small_gpu = _h100(gpus=[GpuInfo(index=0, name="RTX 4090", vram_bytes=24 * GiB)])
+    kt = choose_sft_backend(recipe, _v2_lite(), small_gpu)
+    assert kt.backend == "kt" and "more than 90% of the 24.0 GiB" in kt.reason
+    assert kt.recipe.sft.kt_config.kt_share_backward_bb is False and kt.recipe.sft.kt_cpu_activation == "retain"
+    assert "tuned" in kt.reason
+
+    # Too little RAM for the tuned settings' second BF16 copy of the experts: KT's defaults.
+    tight = small_gpu.model_copy(update={"ram_bytes": 48 * GiB})
+    default = choose_sft_backend(recipe, _v2_lite(), tight)
+    assert default.backend == "kt" and default.recipe.sft.kt_config.kt_share_backward_bb is None
+    assert default.kt_step_s > kt.kt_step_s
+
+    # A recipe's explicit value always wins.
+    pinned = load_recipe(REPO / "benchmarks/recipes/v2-lite-kt.yaml",
+                         ["sft.backend=auto", "sft.kt_config.kt_share_backward_bb=true"])
+    assert choose_sft_backend(pinned, _v2_lite(), small_gpu).recipe.sft.kt_config.kt_share_backward_bb is True
+
+
+def test_auto_keeps_kt_for_a_quantized_source_and_says_when_nothing_can_run(tmp_path: Path) -> None:
+    from ktflow.errors import HostRequirementError
+    from ktflow.recipe import needs_bf16_weights
+    from ktflow.sft import choose_sft_backend
+
+    recipe = load_recipe(REPO / "gpu_host/big-kt-rawint4.yaml", ["sft.backend=auto"])
+    big = _size(_leg("big-kt-rawint4")["model"])
+    choice = choose_sft_backend(recipe, big, _h100())
+    assert choice.backend == "kt" and choice.recipe.sft.kt_config.kt_backend == "RAWINT4"
+    assert "BF16 copy first" in choice.reason or "GiB of GPU memory" in choice.reason
+    # auto never makes a BF16 copy of its own: it needs one exactly when its KT side does.
+    written_kt = load_recipe(REPO / "gpu_host/big-kt-rawint4.yaml")
+    assert needs_bf16_weights(recipe) == needs_bf16_weights(written_kt)
+    with pytest.raises(HostRequirementError, match="neither backend can run here"):
+        choose_sft_backend(load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", ["sft.backend=auto"]),
+                           _v2_lite(), _host())
+
+
+def test_auto_is_validated_with_its_kt_side(tmp_path: Path) -> None:
+    from ktflow.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="needs gpus >= 1"):
+        load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", ["sft.backend=auto", "sft.gpus=0"])
+    with pytest.raises(RecipeError, match="may choose kt, but its KT settings are not valid"):
+        load_recipe(REPO / "gpu_host/big-kt-rawint4.yaml", ["sft.backend=auto", "sft.lora_rank=16"])
+
+
+def test_the_plan_shows_what_auto_chose() -> None:
+    recipe = load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", ["sft.backend=auto"])
+    sft = next(s for s in plan_recipe(recipe, _h100(), size=_v2_lite(), model_source="test").stages
+               if s.stage == "sft")
+    assert sft.time_basis.startswith("auto -> hf: the model fits the GPUs") and sft.fits
