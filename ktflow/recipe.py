@@ -85,12 +85,12 @@ class ModelFacts(_Strict):
     expert_parameters: int = Field(ge=0, description="The routed experts' share of parameters")
     stored_bytes: int = Field(gt=0, description="The checkpoint's size on disk")
     expert_stored_bytes: int = Field(ge=0, description="The routed experts' share of stored_bytes")
-    num_layers: int = Field(gt=0)
-    moe_layers: int = Field(ge=0)
-    hidden_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    routed_experts: int = Field(ge=0)
-    experts_per_token: int = Field(ge=0)
+    num_layers: int = Field(gt=0, description="config.json: num_hidden_layers")
+    moe_layers: int = Field(ge=0, description="Layers with routed experts (num_hidden_layers - first_k_dense_replace)")
+    hidden_size: int = Field(gt=0, description="config.json: hidden_size")
+    vocab_size: int = Field(gt=0, description="config.json: vocab_size")
+    routed_experts: int = Field(ge=0, description="config.json: n_routed_experts (num_experts)")
+    experts_per_token: int = Field(ge=0, description="config.json: num_experts_per_tok")
 
 
 class SourceConfig(_Strict):
