@@ -27,7 +27,7 @@ from ktflow.hardware import HostInfo
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.runner import StageName, check_requirement
 from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
-from ktflow.sizing import ModelSize, model_size
+from ktflow.sizing import ModelSize, hub_model_size, model_size
 from ktflow.stages import host_requirements, plan_stages
 
 _GB = 1e9
@@ -89,7 +89,7 @@ def sft_steps(recipe: Recipe, records: int | None) -> int | None:
 
 def model_size_for(recipe: Recipe) -> tuple[ModelSize | None, str]:
     """The model's size and where it came from: the checkpoint on this host, else the recipe's
-    ``source.size``, else unknown."""
+    ``source.size``, else the hub's safetensors headers (range requests, no weights), else unknown."""
     from ktflow.weights import expected_source
 
     source = expected_source(recipe)
@@ -98,7 +98,17 @@ def model_size_for(recipe: Recipe) -> tuple[ModelSize | None, str]:
     facts = recipe.source.size
     if facts is not None:
         return size_from_facts(facts, str(recipe.source.repo_id or recipe.source.uri)), "the recipe's source.size"
-    return None, "unknown: not downloaded, and the recipe has no source.size"
+    if recipe.source.repo_id is None:
+        return None, "unknown: not fetched yet, and the recipe has no source.size"
+    import huggingface_hub.constants
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None, "unknown: not downloaded, no source.size, and the hub is off (HF_HUB_OFFLINE)"
+    try:
+        size = hub_model_size(recipe.source.repo_id, recipe.source.revision)
+    except Exception as exc:  # noqa: BLE001 - any hub failure leaves the size unknown, said why
+        return None, f"unknown: not downloaded, no source.size, and the hub did not answer ({type(exc).__name__})"
+    return size, f"the hub's safetensors headers of {recipe.source.repo_id}@{recipe.source.revision}"
 
 
 def size_from_facts(facts: ModelFacts, path: str) -> ModelSize:

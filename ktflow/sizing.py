@@ -12,8 +12,10 @@ Nothing here reads tensor data: a 600 GB checkpoint is sized in a second.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, computed_field
@@ -111,26 +113,52 @@ def model_size(path: str | Path) -> ModelSize:
         CheckpointError: no config, no index or single file, a missing shard or a bad header.
     """
     path = Path(path)
-    config = text_config(load_config(path))
     weight_map, _ = read_weight_map(path)
+    tensors = ((name, info.dtype, tuple(info.shape), info.nbytes)
+               for shard in sorted(set(weight_map.values())) for name, info in read_header(path / shard).tensors.items())
+    return _size_of(str(path), text_config(load_config(path)), tensors)
+
+
+def hub_model_size(repo_id: str, revision: str = "main", *, token: str | None = None, endpoint: str | None = None,
+                   cache_dir: str | Path | None = None) -> ModelSize:
+    """Size a hub model before downloading it: its config.json and its shards' safetensors headers
+    (huggingface_hub reads each header with an HTTP range request; no weights are fetched).
+
+    Raises:
+        huggingface_hub's errors: the repo, revision or files cannot be reached, or it is not a
+        safetensors repo.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=token)
+    metadata = api.get_safetensors_metadata(repo_id, revision=revision)
+    config = json.loads(Path(api.hf_hub_download(repo_id, "config.json", revision=revision,
+                                                 cache_dir=cache_dir)).read_text())
+    tensors = ((name, info.dtype, tuple(info.shape), info.data_offsets[1] - info.data_offsets[0])
+               for shard in sorted(metadata.files_metadata) for name, info in
+               metadata.files_metadata[shard].tensors.items())
+    return _size_of(f"{repo_id}@{revision}", text_config(config), tensors)
+
+
+def _size_of(path: str, config: dict, tensors: Iterable[tuple[str, str, tuple[int, ...], int]]) -> ModelSize:
+    """A :class:`ModelSize` from a text config and ``(name, dtype, shape, nbytes)`` of every tensor."""
     parameters = experts = stored = expert_stored = 0
     linear: dict[str, tuple[int, int]] = {}
     moe_layers: set[str] = set()
-    for shard in sorted(set(weight_map.values())):
-        for name, info in read_header(path / shard).tensors.items():
-            count = _parameters_of(name, info.dtype, info.shape, info.nbytes)
-            parameters += count
-            stored += info.nbytes
-            routed = _ROUTED_EXPERT.search(name)
-            if routed:
-                experts += count
-                expert_stored += info.nbytes
-                moe_layers.add(routed.group(1))
-            if len(info.shape) == 2 and name.endswith((".weight", ".weight_packed")) and not _NOT_LORA.search(name):
-                cols = info.nbytes // info.shape[0] * 2 if name.endswith(".weight_packed") else info.shape[1]
-                linear[name.rsplit(".", 1)[0]] = (info.shape[0], cols)
+    for name, dtype, shape, nbytes in tensors:
+        count = _parameters_of(name, dtype, shape, nbytes)
+        parameters += count
+        stored += nbytes
+        routed = _ROUTED_EXPERT.search(name)
+        if routed:
+            experts += count
+            expert_stored += nbytes
+            moe_layers.add(routed.group(1))
+        if len(shape) == 2 and name.endswith((".weight", ".weight_packed")) and not _NOT_LORA.search(name):
+            cols = nbytes // shape[0] * 2 if name.endswith(".weight_packed") else shape[1]
+            linear[name.rsplit(".", 1)[0]] = (shape[0], cols)
     return ModelSize(
-        path=str(path), parameters=parameters, hidden_size=int(config.get("hidden_size") or 0),
+        path=path, parameters=parameters, hidden_size=int(config.get("hidden_size") or 0),
         num_layers=int(config.get("num_hidden_layers") or 0), vocab_size=int(config.get("vocab_size") or 0),
         linear_shapes=linear, expert_parameters=experts, stored_bytes=stored, expert_stored_bytes=expert_stored,
         moe_layers=len(moe_layers),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -264,3 +265,56 @@ def test_auto_reached_the_best_backends_throughput_on_the_h100_host() -> None:
     assert median["ktflow-hf-auto"] >= 0.95 * best, (median, best)
     tail = REPO / "docs/benchmarks/plan-auto/ktflow-hf-auto-20261125-084334-615202.log.tail"
     assert "sft.backend auto chose hf: the model fits the GPUs" in tail.read_text()
+
+
+# --------------------------------------------------------------------------- sized on the hub
+
+
+@pytest.fixture
+def online_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A fake hub on 127.0.0.1 (tests/hubserver.py) holding the tiny Kimi-K2.5 fixture, with
+    huggingface_hub switched back on (conftest puts it offline) and pointed at it."""
+    import huggingface_hub.constants
+    import huggingface_hub.utils._detect_agent as detect_agent
+    from hubserver import FakeHub, FakeRepo
+
+    from ktflow.fixtures import FixtureSpec, make_fixture
+
+    model = make_fixture(FixtureSpec(kind="kimi-k2.5"), tmp_path / "model")
+    repo = FakeRepo.from_dir("acme/kimi-tiny", model)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(detect_agent, "_fetch_registry", lambda: None)
+    with FakeHub(repo) as hub:
+        import ktflow.plan
+        from ktflow.sizing import hub_model_size
+
+        # ktflow.plan asks the default endpoint; here that is the fake hub.
+        monkeypatch.setattr(ktflow.plan, "hub_model_size", functools.partial(
+            hub_model_size, endpoint=hub.url, cache_dir=tmp_path / "hf-cache"))
+        yield hub, model
+
+
+def test_a_hub_model_is_sized_from_its_headers_without_fetching_weights(online_hub, tmp_path: Path) -> None:
+    from ktflow.sizing import hub_model_size, model_size
+
+    hub, model = online_hub
+    remote = hub_model_size("acme/kimi-tiny", "main", endpoint=hub.url, cache_dir=tmp_path / "cache")
+    local = model_size(model)
+    assert remote.model_dump(exclude={"path"}) == local.model_dump(exclude={"path"})
+    for shard in model.glob("*.safetensors"):
+        served = hub.bytes_served.get(shard.name, 0)
+        assert served < shard.stat().st_size, (shard.name, served)  # headers only, by range requests
+
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml",
+                         [f"store.root={tmp_path / 'store'}", "source.repo_id=acme/kimi-tiny"])
+    recipe = recipe.model_copy(update={"source": recipe.source.model_copy(update={"size": None})})
+    plan = plan_recipe(recipe, _host())
+    assert plan.model_source.startswith("the hub's safetensors headers of acme/kimi-tiny")
+    assert next(s for s in plan.stages if s.stage == "download").disk_bytes == local.stored_bytes
+
+
+def test_without_the_hub_the_plan_says_the_size_is_unknown(tmp_path: Path) -> None:
+    recipe = load_recipe(REPO / "recipes/qwen3-30b-a3b-bf16.yaml", [f"store.root={tmp_path}"])
+    plan = plan_recipe(recipe, _host())  # conftest keeps huggingface_hub offline
+    assert plan.model is None and "HF_HUB_OFFLINE" in plan.model_source
+    assert next(s for s in plan.stages if s.stage == "sft").time_basis == "model size unknown"
