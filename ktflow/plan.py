@@ -2,12 +2,13 @@
 
 :func:`plan_recipe` reads each stage's own declaration (``sft_needs``, ``serve_needs``, the
 dequantizer's and quantizer's byte counts: the same functions their preflights check) for the
-model's size, and adds a predicted wall time from :class:`CostModel`, whose constants are fitted
-on the runs kept in docs/benchmarks (``calibration.json`` lists every one with its source files).
+model's size, and adds a predicted wall time from :class:`~ktflow.costs.CostModel`, whose
+constants are fitted on the runs kept in docs/benchmarks (``calibration.json`` lists every one
+with its source files). ``sft.backend: auto`` is resolved as ``ktflow sft`` would resolve it.
 
 The model's size comes from the checkpoint's headers when it is on this host, else from the
-recipe's ``source.size`` (what a model card or config.json says), so a 600 GB download is
-sized before it starts. ``ktflow plan RECIPE [--host FILE] [--json]`` prints it; ``--host``
+recipe's ``source.size`` (what a model card or config.json says), else from the hub's
+safetensors headers, so a 600 GB download is sized before it starts. ``ktflow plan RECIPE [--host FILE] [--json]`` prints it; ``--host``
 plans for another machine described by ``ktflow doctor --json``.
 
 Times are predictions for the host kind they were measured on (an H100 + 16-core AMX Xeon)
@@ -24,9 +25,9 @@ from pydantic import BaseModel
 
 from ktflow.errors import InvalidInputError
 from ktflow.hardware import HostInfo
+from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.runner import StageName, check_requirement
-from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.sizing import ModelSize, hub_model_size, model_size
 from ktflow.stages import host_requirements, plan_stages
 
