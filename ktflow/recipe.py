@@ -727,14 +727,16 @@ def with_sft_backend(recipe: Recipe, backend: Literal["hf", "kt"], **kt_settings
     return Recipe.model_validate({**recipe.model_dump(), "sft": sft})
 
 
-def needs_bf16_weights(recipe: Recipe) -> bool:
-    """Whether any stage reads BF16 weights (so a quantized source must be dequantized).
+def as_weights_reader(recipe: Recipe) -> Recipe:
+    """The recipe as the stages that pick and make weights read it: ``sft.backend: auto`` counts
+    as its KT side, since auto picks hf only where the training weights are BF16 anyway
+    (``ktflow.sft.choose_sft_backend``); it never makes a BF16 copy of its own."""
+    return with_sft_backend(recipe, "kt") if recipe.sft.backend == "auto" else recipe
 
-    ``sft.backend: auto`` counts as its KT side: auto picks hf only where the training weights
-    are BF16 anyway (``ktflow.sft.choose_sft_backend``), so it never makes a BF16 copy of its own.
-    """
-    if recipe.sft.backend == "auto":
-        recipe = with_sft_backend(recipe, "kt")
+
+def needs_bf16_weights(recipe: Recipe) -> bool:
+    """Whether any stage reads BF16 weights (so a quantized source must be dequantized)."""
+    recipe = as_weights_reader(recipe)
     sft = recipe.sft
     sft_bf16 = sft.backend in ("hf", "kt-legacy") or (
         sft.kt_config is not None and sft.kt_config.effective_weight_format == "bf16"

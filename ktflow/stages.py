@@ -14,10 +14,10 @@ from ktflow.hardware import HostInfo
 from ktflow.pools import pool_for_stage
 from ktflow.recipe import (
     Recipe,
+    as_weights_reader,
     int8_threadpool_count,
     needs_bf16_weights,
     needs_int8_weights,
-    with_sft_backend,
 )
 from ktflow.runner import (  # the stage vocabulary lives with the runner; re-exported for the planners' callers
     INT8_KERNELS,
@@ -133,8 +133,7 @@ def _plan(recipe: Recipe) -> list[StagePlan]:
 
 
 def _bf16_readers(recipe: Recipe) -> str:
-    if recipe.sft.backend == "auto":  # auto reads BF16 as its KT side does (ktflow.recipe.needs_bf16_weights)
-        recipe = with_sft_backend(recipe, "kt")
+    recipe = as_weights_reader(recipe)
     readers = []
     sft = recipe.sft
     if sft.backend != "kt" or (sft.kt_config and sft.kt_config.effective_weight_format == "bf16"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ktflow.checkpoint import checkpoint_digest
-from ktflow.recipe import Recipe, needs_bf16_weights, with_sft_backend
+from ktflow.recipe import Recipe, as_weights_reader, needs_bf16_weights
 
 
 def bf16_dir_for(recipe: Recipe, source_dir: Path) -> Path:
@@ -27,8 +27,7 @@ def ensure_source(recipe: Recipe, *, token: str | None = None) -> Path:
 
 def trains_on_source(recipe: Recipe) -> bool:
     """Whether SFT reads the source checkpoint as it is (KT RAWINT4 / FP8 experts, or a BF16 source)."""
-    if recipe.sft.backend == "auto":  # auto trains as its KT side does (hf only from a BF16 source)
-        recipe = with_sft_backend(recipe, "kt")
+    recipe = as_weights_reader(recipe)
     kt = recipe.sft.kt_config
     native = recipe.sft.backend == "kt" and kt is not None and kt.effective_weight_format != "bf16"
     return native or recipe.source.format == "bf16" or not needs_bf16_weights(recipe)
