@@ -114,8 +114,8 @@ def _with_plan_problems(checks: list, recipe, host) -> list:
     plan = {s.stage: s for s in plan_recipe(recipe, host).stages}
     merged = []
     for check in checks:
-        extra = [f"{check.stage} {p}" for p in plan[check.stage].problems
-                 if check.needed and not any(p in m for m in check.missing) and "GPU(s)" not in p]
+        extra = [p if p.startswith(check.stage) else f"{check.stage} {p}" for p in plan[check.stage].problems
+                 if check.needed and not any(p in m for m in check.missing)]
         merged.append(check.model_copy(update={"missing": check.missing + extra,
                                                "runnable": check.runnable and not extra}))
     return merged

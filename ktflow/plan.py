@@ -1,8 +1,9 @@
 """Plan before starting: what each stage of a recipe will need of a host, and how long it will take.
 
-:func:`plan_recipe` reads each stage's own declaration (``sft_needs``, ``serve_needs``, the
-dequantizer's and quantizer's byte counts: the same functions their preflights check) for the
-model's size, and adds a predicted wall time from :class:`~ktflow.costs.CostModel`, whose
+:func:`plan_recipe` reads the SFT and serve stages' own declarations (``sft_needs``,
+``serve_needs``: what their preflights check, worded as they word it) for the model's size, sizes
+download, dequantize and quantize-int8 by their byte counts (their preflights measure the files
+themselves once they are there), and adds a predicted wall time from :class:`~ktflow.costs.CostModel`, whose
 constants are fitted on the runs kept in docs/benchmarks (``calibration.json`` lists every one
 with its source files). ``sft.backend: auto`` is resolved as ``ktflow sft`` would resolve it.
 
@@ -27,7 +28,7 @@ from ktflow.errors import InvalidInputError
 from ktflow.hardware import HostInfo
 from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.recipe import ModelFacts, Recipe
-from ktflow.runner import StageName, check_requirement
+from ktflow.runner import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.sizing import ModelSize, hub_model_size, model_size
 from ktflow.stages import host_requirements, plan_stages
 
@@ -157,20 +158,24 @@ def _count_records(recipe: Recipe) -> int | None:
 def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
              costs: CostModel) -> None:
     bf16_bytes = 2 * size.parameters
+    ram: RamNeed | None = None
+    gpu: GpuNeed | None = None
     if line.stage == "download":
         line.disk_bytes = size.stored_bytes
         line.time_basis = "network-bound: not predicted"
     elif line.stage == "dequantize":
         line.disk_bytes = bf16_bytes
-        line.ram_bytes = 1 << 30
+        # Measured peak RSS 279-847 MB (README, dequantize); the stage declares disk only.
+        ram = RamNeed(bytes=1 << 30, what="dequantize", why="python, torch and a few MB of scratch per worker")
         line.seconds = bf16_bytes / costs.dequantize_bytes_per_s
         line.time_basis = f"{costs.dequantize_bytes_per_s / _GB:.1f} GB/s of BF16 written (fsync)"
     elif line.stage == "sft":
-        _predict_sft(line, recipe, host, size, records, costs)
+        ram, gpu = _predict_sft(line, recipe, host, size, records, costs)
     elif line.stage == "quantize-int8":
         expert_bf16 = 2 * size.expert_parameters
         line.disk_bytes = size.expert_parameters + size.expert_parameters // 16  # INT8 + scales
-        line.ram_bytes = 2 * expert_bf16 // max(size.moe_layers, 1)
+        ram = RamNeed(bytes=2 * expert_bf16 // max(size.moe_layers, 1), what="quantize-int8",
+                      why="one MoE layer's BF16 experts and their INT8")
         line.seconds = expert_bf16 / (costs.quantize_bytes_per_core_s * host.physical_cores)
         line.time_basis = f"{costs.quantize_bytes_per_core_s / _GB:.2f} GB/s of BF16 experts per core"
     elif line.stage == "serve":
@@ -178,15 +183,15 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
 
         kt_bytes = size.expert_parameters if recipe.serving.kt_method == "AMXINT8" else size.expert_stored_bytes
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=kt_bytes))
-        line.ram_bytes = needs.ram.bytes if needs.ram else 0
-        line.gpu_bytes, line.gpus = (needs.gpu.bytes, needs.gpu.gpus) if needs.gpu else (0, 0)
+        ram, gpu = needs.ram, needs.gpu
     elif line.stage == "convert-lora":
         line.disk_bytes = 1 << 30
-    _check_fit(line, host)
+    _check_fit(line, host, ram, gpu)
 
 
 def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
-                 costs: CostModel) -> None:
+                 costs: CostModel) -> tuple[RamNeed | None, GpuNeed | None]:
+    """The SFT line's time, and its declared RAM and GPU needs (``sft_needs``, what its preflight checks)."""
     from ktflow.errors import HostRequirementError
     from ktflow.sft import choose_sft_backend, sft_needs
 
@@ -196,13 +201,11 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
             choice = choose_sft_backend(recipe, size, host)
         except HostRequirementError as exc:
             line.problems.append(exc.reason)
-            return
+            return None, None
         recipe, chosen = choice.recipe, f"auto -> {choice.reason}. "
     sft = recipe.sft
     needs = sft_needs(recipe, size)
     line.disk_bytes = sum(d.bytes for d in needs.disk)
-    line.ram_bytes = needs.ram.bytes if needs.ram else 0
-    line.gpu_bytes = needs.gpu.bytes // (needs.gpu.gpus if needs.gpu.summed else 1) if needs.gpu else 0
     line.gpus = sft.gpus
     gb = size.stored_bytes / _GB
     if sft.backend == "kt":
@@ -216,26 +219,30 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
         basis = f"step {step:.1f} s at most (cutoff_len tokens a sample; fitted on the H100 host)"
     else:
         line.time_basis = f"{chosen}no calibration for sft.backend {sft.backend} on {sft.gpus} GPU(s)"
-        return
+        return needs.ram, needs.gpu
     steps = sft_steps(recipe, records)
     if steps is None:
         line.time_basis = chosen + basis + "; steps unknown until the dataset is here"
-        return
+        return needs.ram, needs.gpu
     line.seconds = costs.prelaunch_s + load + steps * step + costs.publish_s
     line.time_basis = f"{chosen}{basis}, {steps} steps"
+    return needs.ram, needs.gpu
 
 
-def _check_fit(line: StageEstimate, host: HostInfo) -> None:
+def _check_fit(line: StageEstimate, host: HostInfo, ram: RamNeed | None, gpu: GpuNeed | None) -> None:
+    """What of ``line`` does not fit ``host``: RAM and GPU memory as the stages' preflights word and
+    check them (:func:`~ktflow.runner.ram_shortfall`, :func:`~ktflow.runner.gpu_shortfall`); disk
+    against the host's free-disk figure (a plan may be for another host, whose filesystem is not here)."""
+    if ram is not None:
+        line.ram_bytes = ram.bytes
+        line.problems += filter(None, [ram_shortfall(line.stage, ram, host)])
+    if gpu is not None:
+        line.gpu_bytes = gpu.bytes // gpu.gpus if gpu.summed else gpu.bytes
+        line.gpus = line.gpus or gpu.gpus
+        line.problems += filter(None, [gpu_shortfall(line.stage, gpu, host)])
     if line.disk_bytes > host.disk_free_bytes:
         line.problems.append(f"needs ~{line.disk_bytes / _GiB:.1f} GiB of disk; {host.disk_path} has "
                              f"{host.disk_free_bytes / _GiB:.1f} GiB free")
-    if line.ram_bytes > host.ram_bytes:
-        line.problems.append(f"needs ~{line.ram_bytes / _GiB:.1f} GiB of RAM; this host has {host.ram_bytes / _GiB:.1f} GiB")
-    if line.gpu_bytes:
-        small = [g for g in host.gpus[: max(line.gpus, 1)] if g.vram_bytes < line.gpu_bytes]
-        if small:
-            line.problems.append(f"needs ~{line.gpu_bytes / _GiB:.1f} GiB on each GPU; {small[0].name} has "
-                                 f"{small[0].vram_bytes / _GiB:.1f} GiB")
 
 
 def load_host(path: Path) -> HostInfo:

@@ -190,7 +190,9 @@ def _gib(n: float) -> str:
     return f"{n / _GiB:.0f}" if n >= 10 * _GiB else f"{n / _GiB:.2f}"
 
 
-def _ram_shortfall(stage: StageName, ram: RamNeed, host: HostInfo) -> str | None:
+def ram_shortfall(stage: StageName, ram: RamNeed, host: HostInfo) -> str | None:
+    """Why ``host`` cannot give a run ``ram`` (None: it can): free memory now, or installed memory
+    and each NUMA node's share."""
     why = f" ({ram.why})" if ram.why else ""
     if ram.of == "available":
         if host.ram_available_bytes >= ram.bytes:
@@ -240,7 +242,7 @@ def shortfalls(stage: StageName, resources: Resources, target: Path, host: HostI
     """
     found: list[InvalidInputError] = []
     if resources.ram is not None and host is not None:
-        short = _ram_shortfall(stage, resources.ram, host)
+        short = ram_shortfall(stage, resources.ram, host)
         if short:
             found.append(HostRequirementError(stage, short, _RAM_FIX))
     if resources.gpu is not None and host is not None:
