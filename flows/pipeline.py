@@ -30,9 +30,10 @@ from prefect.runtime import flow_run as current_run
 from pydantic import BaseModel
 
 from ktflow.dataset import validate_dataset
-from ktflow.errors import InvalidInputError, KtflowError, NoWorkerError
+from ktflow.errors import InvalidInputError, KtflowError, NoWorkerError, PromotionGateError
 from ktflow.evaluate import refuse_contaminated_gate
 from ktflow.pools import WorkPoolSpec, pool_for_stage
+from ktflow.promotion import registry_of
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.hardware import HostInfo, probe_host
 from ktflow.stages import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
@@ -40,6 +41,7 @@ from ktflow.store import read_manifest
 from ktflow.sft import check_hf_fits_gpus
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
+from tasks.promote import register_adapter_task
 from tasks.report import publish_run_report
 
 StageCall = Callable[..., Any]
@@ -78,23 +80,43 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     _quantize_int8(recipe, call, bf16_dir or source.path, table)
 
     outcome: dict[str, Any] = {"adapter": str(adapter.path)}
+    version = register_adapter_task(recipe, str(adapter.path), str(trained.adapter_dir), str(model_dir))
+    outcome["version"] = version.version
     serve_model, kt_weights = serving_weights(recipe, source_dir=source.path, bf16_dir=bf16_dir)
-    endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter.path),
-                    kt_weight_dir=str(kt_weights) if kt_weights else None)
-    table.record("serve", endpoint.url)
-    outcome["endpoint"] = endpoint.url
-    report = None
+    weights = dict(kt_weight_dir=str(kt_weights) if kt_weights else None)
+    judgement = None
+    before = registry_of(recipe).production().version
     if table.plans["evaluate"].needed:
-        # The base model for the comparison is the one the adapter was trained on.
-        report = call("evaluate", recipe=recipe, model_dir=str(model_dir), endpoint=endpoint)
-        table.record("evaluate", evaluation_verdict(report))
-        outcome["evaluation"] = str(report.report_md)
+        # Candidate first: judged where it takes no production traffic (or, in swap mode, rolled
+        # back on a failed gate); only a version that passes replaces production. The base model
+        # of the comparison is the one the adapter was trained on.
+        judgement = call("evaluate", recipe=recipe, model_dir=str(model_dir), version=version.version,
+                         serve_model_dir=str(serve_model), **weights)
+        table.record("evaluate", evaluation_verdict(judgement))
+        outcome["evaluation"] = str(judgement.evaluation.report_md)
     else:
         table.record("evaluate", "-")
-    create_table_artifact(key="pipeline-summary", table=table.rows, description=f"ktflow pipeline: {recipe.name}")
-    publish_run_report(recipe, table.rows, trained=trained, evaluation=report, endpoint=endpoint)
+    if judgement is not None and not judgement.accepted:
+        table.record("serve", f"not promoted: {judgement.summary().split(': ', 1)[1]}")
+        _report(recipe, table, trained, judgement, endpoint=None, promotion=judgement.summary())
+        raise PromotionGateError(judgement.rejection())
+    why = judgement.summary() if judgement is not None else "promoted (the recipe does not evaluate)"
+    endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter.path),
+                    version=version.version, base_dir=str(model_dir), why=why, **weights)
+    table.record("serve", f"{endpoint.url} (v{version.version})")
+    outcome["endpoint"] = endpoint.url
+    promotion = f"v{version.version} serves (it did before this run)" if before == version.version else \
+        f"promoted v{version.version}" + (f" (replaces v{before})" if before is not None else "")
+    outcome["promotion"] = promotion
+    _report(recipe, table, trained, judgement, endpoint, promotion=promotion)
     outcome["stages"] = table.rows
     return outcome
+
+
+def _report(recipe: Recipe, table: _StageTable, trained: Any, judgement: Any, endpoint: Any, promotion: str) -> None:
+    """The run's summary table and report artifacts (a rejected run's too)."""
+    create_table_artifact(key="pipeline-summary", table=table.rows, description=f"ktflow pipeline: {recipe.name}")
+    publish_run_report(recipe, table.rows, trained=trained, judgement=judgement, endpoint=endpoint, promotion=promotion)
 
 
 class _StageTable:
@@ -102,12 +124,17 @@ class _StageTable:
 
     def __init__(self, plans: dict[str, StagePlan]) -> None:
         self.plans = plans
-        self.rows: list[dict[str, Any]] = []
+        self._rows: dict[str, dict[str, Any]] = {}
 
     def record(self, stage: str, result: str, skipped: StageSkipped | None = None) -> None:
         runs = self.plans[stage].needed and skipped is None
-        self.rows.append({"stage": stage, "runs": "yes" if runs else "skipped",
-                          "why": skipped.reason if skipped else self.plans[stage].reason, "result": result})
+        self._rows[stage] = {"stage": stage, "runs": "yes" if runs else "skipped",
+                             "why": skipped.reason if skipped else self.plans[stage].reason, "result": result}
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The recorded rows in the stages' order (a candidate is judged before it is served)."""
+        return [self._rows[stage] for stage in self.plans if stage in self._rows]
 
 
 def _dequantize(recipe: Recipe, call: StageCall, source: Path, table: _StageTable) -> Path | None:
@@ -136,11 +163,14 @@ def _quantize_int8(recipe: Recipe, call: StageCall, base: Path, table: _StageTab
         table.record("quantize-int8", f"{int8.path} (T={t})" + (" (cached)" if int8.cached else ""))
 
 
-def evaluation_verdict(report: Any) -> str:
-    """The evaluate row of the stage table: adapter check, promotion, and the train/eval overlap."""
+def evaluation_verdict(judgement: Any) -> str:
+    """The evaluate row of the stage table: adapter check, promotion, the train/eval overlap, and
+    the candidate's verdict."""
+    report = judgement.evaluation
     overlap = report.contamination
+    reused = " (cached: it serves and was judged before)" if judgement.reused else ""
     return (f"adapter applied: {report.adapter_applied}, promoted: {report.promoted}, train/eval overlap: "
-            f"{overlap.count}/{overlap.eval_prompts}")
+            f"{overlap.count}/{overlap.eval_prompts}; {judgement.summary()}{reused}")
 
 
 def _call_task(stage: StageName, **parameters: Any) -> Any:

@@ -27,8 +27,8 @@ from ktflow.convert_lora import ConvertLoraResult
 from ktflow.dequantize import DequantizeResult
 from ktflow.download import DownloadResult
 from ktflow.errors import HostRequirementError
-from ktflow.evaluate import EvaluationResult
 from ktflow.hardware import probe_host
+from ktflow.promotion import Judgement
 from ktflow.quantize_int8 import QuantizeInt8Result
 from ktflow.recipe import Recipe, SourceConfig
 from ktflow.serve import Endpoint
@@ -141,10 +141,11 @@ def quantize_int8_stage(bf16_dir: str, out_dir: str, threadpool_count: int, serv
 
 
 @flow(name="ktflow-serve", persist_result=True)
-def serve_stage(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None = None) -> Endpoint:
+def serve_stage(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None = None,
+                version: int | None = None, base_dir: str | None = None, why: str = "promoted") -> Endpoint:
     recipe = host_recipe(recipe)
     _enter_stage("serve", recipe)
-    endpoint = serve_task(recipe, model_dir, adapter_dir, kt_weight_dir)
+    endpoint = serve_task(recipe, model_dir, adapter_dir, kt_weight_dir, version, base_dir, why)
     from blocks import ServingEndpoint
 
     # A block for clients and dashboards; the key stays on the serving host, in its env var.
@@ -156,10 +157,11 @@ def serve_stage(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir:
 
 
 @flow(name="ktflow-evaluate", persist_result=True)
-def evaluate_stage(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> EvaluationResult:
+def evaluate_stage(recipe: Recipe, model_dir: str, version: int, serve_model_dir: str,
+                   kt_weight_dir: str | None = None) -> Judgement:
     recipe = host_recipe(recipe)
     _enter_stage("evaluate", recipe)
-    return evaluate_task(recipe, model_dir, endpoint)
+    return evaluate_task(recipe, model_dir, version, serve_model_dir, kt_weight_dir)
 
 
 def endpoint_block_name(recipe: Recipe) -> str:

@@ -383,7 +383,9 @@ def _print_int8(result) -> None:
 
 
 def _serving_dir(recipe) -> Path:
-    return (recipe.store.root / "serving" / recipe.name).absolute()
+    from ktflow.promotion import serving_dir
+
+    return serving_dir(recipe)
 
 
 def _served_adapter(recipe, model_dir: Path) -> Path:
@@ -415,7 +417,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     trained_on = ensure_training_weights(recipe, source=source)
     bf16 = trained_on if trained_on != source else None
     model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=bf16)
-    endpoint = serve(recipe, model_dir=model_dir, adapter_dir=_served_adapter(recipe, trained_on),
+    from ktflow.promotion import registry_of
+
+    production = registry_of(recipe).production_version()
+    adapter = production.adapter_dir if production is not None else _served_adapter(recipe, trained_on)
+    endpoint = serve(recipe, model_dir=model_dir, adapter_dir=adapter,
                      record_dir=record_dir, kt_weight_dir=kt_weights,
                      log=lambda line: err.print(line, markup=False, highlight=False))
     out.print(f"serving {endpoint.adapter_model_name or endpoint.served_model_name} at {endpoint.url} "
@@ -470,6 +476,91 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
     return 0
 
 
+def _version_number(text: str) -> int:
+    from ktflow.errors import InvalidInputError
+
+    digits = text.lower().removeprefix("v")
+    if not digits.isdigit() or int(digits) < 1:
+        raise InvalidInputError(f"VERSION {text!r}", "is not a version number", "give one as `ktflow adapters` lists "
+                                "them: 3 or v3")
+    return int(digits)
+
+
+def _production_weights(recipe) -> dict[str, Any]:
+    """What a promotion serves an adapter on: the serving weights, and the base adapters train on."""
+    from ktflow.weights import ensure_source, ensure_training_weights, serving_weights
+
+    source = ensure_source(recipe)
+    trained_on = ensure_training_weights(recipe, source=source)
+    model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=trained_on if trained_on != source
+                                            else None)
+    return {"model_dir": model_dir, "kt_weight_dir": kt_weights, "base_dir": trained_on}
+
+
+def _say(line: str) -> None:
+    err.print(line, markup=False, highlight=False)
+
+
+def cmd_adapters(args: argparse.Namespace) -> int:
+    """The versions of the recipe's adapter, which one serves, and a move a crash interrupted."""
+    from ktflow.promotion import registry_of
+    from ktflow.registry import summarize
+    from ktflow.serve import is_alive, read_endpoint
+
+    recipe = _load(args)
+    registry = registry_of(recipe)
+    document = summarize(registry)
+    endpoint = read_endpoint(_serving_dir(recipe))
+    alive = endpoint is not None and is_alive(endpoint)
+    document["serving"] = ({"url": endpoint.url, "version": endpoint.adapter_version,
+                            "adapter_dir": str(endpoint.adapter_dir), "state": endpoint.state} if alive else None)
+    if args.json:
+        _print_json(document)
+        return 0
+    table = Table(title=f"{recipe.name}: adapter versions", title_justify="left")
+    for column in ("version", "created", "trigger", "dataset", "verdict", "status"):
+        table.add_column(column)
+    production = document["production"]
+    for v in registry.versions():
+        status = "production" if v.version == production else ("previous" if v.version == document["previous"] else "")
+        if status == "production" and not alive:
+            status = "production (endpoint not running)"
+        verdict = f"{v.verdict.status}: {v.verdict.summary}" if v.verdict else "not judged"
+        table.add_row(v.label, v.created_at.replace("T", " ")[:19], str(v.lineage.trigger),
+                      v.lineage.dataset_digest[:12], verdict, status)
+    out.print(table)
+    if document["pending_move"]:
+        move = document["pending_move"]
+        out.print(f"[yellow]a move v{move['from_version']} -> v{move['to_version']} was interrupted[/]; the next "
+                  f"`ktflow promote`, `ktflow rollback` or run finishes or undoes it")
+    if alive:
+        out.print(f"serving: {endpoint.url}" + (f" (v{endpoint.adapter_version})" if endpoint.adapter_version else ""))
+    else:
+        out.print("serving: nothing is running")
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Serve a version as production: health-gated and smoke-tested; idempotent."""
+    from ktflow.promotion import promote_version
+
+    recipe = _load(args)
+    moved = promote_version(recipe, _version_number(args.version), why="ktflow promote", log=_say,
+                            **_production_weights(recipe))
+    out.print(f"{recipe.name}: {moved.summary()} at {moved.endpoint.url}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    """Serve the version production pointed at before its last move."""
+    from ktflow.promotion import rollback
+
+    recipe = _load(args)
+    moved = rollback(recipe, log=_say, **_production_weights(recipe))
+    out.print(f"{recipe.name}: rolled back: {moved.summary()} at {moved.endpoint.url}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from ktflow.evaluate import evaluate_base_vs_tuned
     from ktflow.serve import adapter_model_name, api_key_for, read_endpoint
@@ -486,7 +577,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                 f"export {recipe.serving.api_key_env}=<the server's key>")
     result = evaluate_base_vs_tuned(recipe, model_dir=ensure_training_weights(recipe), tuned_url=args.endpoint,
                                     tuned_model=adapter_model_name(recipe), api_key=key,
-                                    out_dir=(recipe.store.root / "eval" / recipe.name).absolute(),
+                                    out_dir=(recipe.store.root / "eval" / recipe.name / "endpoint").absolute(),
                                     log=lambda line: err.print(line, markup=False, highlight=False))
     out.print(result.table, markup=False)
     overlap = result.contamination
@@ -761,6 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_stage_commands(add)
     _add_run_commands(add)
+    _add_promotion_commands(add)
     _add_host_commands(add)
     return parser
 
@@ -822,6 +914,20 @@ def _add_run_commands(add: _Add) -> None:
 
     p = add("demo", cmd_demo, "the pipeline flow on a tiny model and dataset made locally (CPU)")
     p.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
+
+
+def _add_promotion_commands(add: _Add) -> None:
+    """Adapter versions and what serves: list, promote, roll back."""
+    p = add("adapters", cmd_adapters, "list the recipe's adapter versions, their lineage and verdicts, and which serves")
+    _add_recipe(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = add("promote", cmd_promote, "serve an adapter version as production (health-gated, smoke-tested)")
+    _add_recipe(p)
+    p.add_argument("version", metavar="VERSION", help="the version: 3 or v3 (see `ktflow adapters`)")
+
+    p = add("rollback", cmd_rollback, "serve the version production pointed at before its last move")
+    _add_recipe(p)
 
 
 def _add_host_commands(add: _Add) -> None:

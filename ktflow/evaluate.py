@@ -248,11 +248,7 @@ def evaluate_endpoint(
         EvaluationError: any request failed (all failures listed; no partial metrics).
     """
     records = list(records) if records is not None else load_eval_records(cfg)
-    if cfg.task == "multiple_choice":
-        missing = [r.source for r in records if option_letter(r.reference) is None]
-        if missing:
-            raise DatasetError("evaluation.files", f"multiple-choice references without an option letter A-E: "
-                                                   f"{', '.join(missing[:10])}", "write the answer letter first")
+    _check_multiple_choice(records, cfg)
     client = _client(url, api_key, timeout_s)
 
     def ask(i: int) -> dict[str, Any]:
@@ -265,10 +261,18 @@ def evaluate_endpoint(
         answers = _run_all(ask, len(records), cfg.concurrency)
     finally:
         client.close()
+    return score_answers(model, records, answers, cfg, url=url)
+
+
+def score_answers(model: str, records: Sequence[EvalRecord], answers: Sequence[dict[str, Any]], cfg: EvaluationConfig,
+                  *, url: str | None = None) -> EvalReport:
+    """The report of ``model``'s ``answers`` (``{"text", "finish_reason", "completion_tokens",
+    "latency_s"}``, one per record, in order), however they were obtained (a server, or offline
+    generation)."""
     predictions: list[dict[str, Any]] = []
-    for i, (record, answer) in enumerate(zip(records, answers)):
+    for i, (record, answer) in enumerate(zip(records, answers, strict=True)):
         row = {"index": i, "source": record.source, "prompt": record.messages[-1]["content"],
-               "reference": record.reference, "prediction": answer["text"], **{k: answer[k] for k in (
+               "reference": record.reference, "prediction": answer["text"], **{k: answer.get(k) for k in (
                    "finish_reason", "completion_tokens", "latency_s")}}
         if cfg.task == "multiple_choice":
             row.update(predicted_option=option_letter(answer["text"]), reference_option=option_letter(record.reference))
@@ -285,22 +289,39 @@ def evaluate_endpoint(
     if cfg.style is not None:
         metrics["style"] = style_share(texts, cfg.style)
     return EvalReport(model=model, n=len(records), metrics=metrics, predictions=predictions,
-                      latency_s=latency_summary([p["latency_s"] for p in predictions]), url=url)
+                      latency_s=latency_summary([p["latency_s"] for p in predictions if p["latency_s"] is not None]),
+                      url=url)
+
+
+def _check_multiple_choice(records: Sequence[EvalRecord], cfg: EvaluationConfig) -> None:
+    if cfg.task == "multiple_choice":
+        missing = [r.source for r in records if option_letter(r.reference) is None]
+        if missing:
+            raise DatasetError("evaluation.files", f"multiple-choice references without an option letter A-E: "
+                                                   f"{', '.join(missing[:10])}", "write the answer letter first")
 
 
 # --------------------------------------------------------------------------- comparison
 
 
-def compare_reports(base: EvalReport, tuned: EvalReport, *, style: StyleMetric | None = None) -> str:
-    """A markdown table: ``| metric | base | tuned | delta |``, one row per metric both have.
+def compare_reports(base: EvalReport, tuned: EvalReport, *, style: StyleMetric | None = None,
+                    production: EvalReport | None = None, production_label: str = "production") -> str:
+    """A markdown table: ``| metric | base | tuned | delta |``, one row per metric both have, and
+    ``production`` (the adapter serving now, when there is one) as a last column.
 
     ``style``: the recipe's style metric, named in its row (``style ('nya~')``).
     """
-    lines = ["| metric | base | tuned | delta |", "|---|---:|---:|---:|"]
+    head, rule = "| metric | base | tuned | delta |", "|---|---:|---:|---:|"
+    if production is not None:
+        head, rule = f"{head} {production_label} |", f"{rule}---:|"
+    lines = [head, rule]
     for name in [m for m in base.metrics if m in tuned.metrics]:
         b, t = base.metrics[name], tuned.metrics[name]
         label = (style.label if name == "style" and style is not None else name).replace("|", "\\|")
-        lines.append(f"| {label} | {b:.2f} | {t:.2f} | {t - b:+.2f} |")
+        row = f"| {label} | {b:.2f} | {t:.2f} | {t - b:+.2f} |"
+        if production is not None:
+            row += f" {production.metrics[name]:.2f} |" if name in production.metrics else " - |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -399,7 +420,8 @@ def refuse_contaminated_gate(recipe: Recipe) -> Contamination | None:
 
 class EvaluationResult(BaseModel):
     base: EvalReport
-    tuned: EvalReport
+    tuned: EvalReport  # the candidate
+    production: EvalReport | None = None  # the adapter serving now, asked the same prompts (None: nothing serves)
     table: str
     adapter_applied: bool
     probes: list[dict[str, Any]]
@@ -411,23 +433,50 @@ class EvaluationResult(BaseModel):
     promoted: bool  # adapter applied, a clean (or allowed) eval set, and at least gate_min_gain on gate_metric
     report_json: Path
     report_md: Path
+    candidate_mode: str | None = None  # how the candidate was judged: beside, offline or swap
+    candidate_version: int | None = None
+    production_version: int | None = None
 
     def gate_failure(self) -> str | None:
         """Why an enforced gate failed (None: it passed or is not enforced)."""
         if not self.gate_enforced or self.promoted:
             return None
+        return self.gate_reason()
+
+    def gate_reason(self) -> str:
+        """The gate's verdict in words, passed or not: what a rejection says and a promotion records."""
         b, t = self.base.metrics[self.gate_metric], self.tuned.metrics[self.gate_metric]
         if not self.adapter_applied:
             return "the tuned model answers exactly like the base model: the adapter is not applied"
         if self.contamination.count and not self.allow_contamination:
             return contamination_refusal(self.contamination)
+        if self.promoted:
+            return f"{self.gate_metric} {t - b:+.2f} >= {self.gate_min_gain:+.2f} over the base"
         return (f"the tuned model's {self.gate_metric} is {t:.2f} against the base's {b:.2f} ({t - b:+.2f} points); "
                 f"the promotion gate asks for at least {self.gate_min_gain:+.2f}")
+
+    def gate_brief(self) -> str:
+        """The gate in a few words for a run report line: ``style +10.00 < +50.00``."""
+        if not self.adapter_applied:
+            return "adapter not applied"
+        if self.contamination.count and not self.allow_contamination:
+            return f"evaluation set contaminated ({self.contamination.count} prompts)"
+        gain = self.tuned.metrics[self.gate_metric] - self.base.metrics[self.gate_metric]
+        return f"{self.gate_metric} {gain:+.2f} {'>=' if self.promoted else '<'} {self.gate_min_gain:+.2f}"
+
+
+class ServedModel(BaseModel):
+    """A model to ask through an OpenAI-compatible server."""
+
+    url: str
+    model: str
 
 
 def evaluate_base_vs_tuned(
     recipe: Recipe, *, model_dir: Path, tuned_url: str, tuned_model: str, api_key: str, out_dir: Path,
-    base_url: str | None = None, base_model: str | None = None, log: Callable[[str], None] | None = None,
+    base_url: str | None = None, base_model: str | None = None, production: ServedModel | None = None,
+    production_version: int | None = None, candidate_version: int | None = None, candidate_mode: str | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> EvaluationResult:
     """Evaluate the tuned endpoint against the base model and write the report into ``out_dir``.
 
@@ -436,7 +485,8 @@ def evaluate_base_vs_tuned(
     the recipe's endpoint, started with ``die_with_parent``) and stopped at the end. The two
     servers run side by side: the adapter check compares answers of both to the same prompts,
     and the tuned endpoint keeps serving throughout. Each model is evaluated in turn, with
-    ``evaluation.concurrency`` requests in flight.
+    ``evaluation.concurrency`` requests in flight. ``production`` (the adapter serving now, when
+    the tuned one is a candidate beside it) is asked the same prompts and reported beside them.
 
     Writes ``out_dir/report.json`` (both reports with every prediction, the probes) and
     ``out_dir/report.md`` (the table, the adapter check, the gate).
@@ -452,33 +502,58 @@ def evaluate_base_vs_tuned(
     """
     cfg = recipe.evaluation
     records = load_eval_records(cfg)
+    contamination = _log_contamination(recipe, records, log)
+    with _base_endpoint(recipe, model_dir=model_dir, api_key=api_key, record_dir=Path(out_dir).absolute() / "base-endpoint",
+                        base_url=base_url, base_model=base_model, log=log) as (base_url, base_model):
+        if log:
+            log(f"evaluating {len(records)} records: base {base_model}, tuned {tuned_model}"
+                + (f", production {production.model}" if production else ""))
+        base = evaluate_endpoint(base_url, api_key, base_model, cfg, records=records)
+        tuned = evaluate_endpoint(tuned_url, api_key, tuned_model, cfg, records=records)
+        served = evaluate_endpoint(production.url, api_key, production.model, cfg, records=records) if production else None
+        prompts = [r.messages[-1]["content"] for r in records[:PROBE_PROMPTS]]
+        applied, probes = adapter_is_applied(tuned_url, api_key, base_model, tuned_model, prompts, base_url=base_url)
+    return judge(recipe, base=base, tuned=tuned, production=served, applied=applied, probes=probes,
+                 contamination=contamination, out_dir=out_dir, candidate_mode=candidate_mode,
+                 candidate_version=candidate_version, production_version=production_version)
+
+
+def _log_contamination(recipe: Recipe, records: Sequence[EvalRecord], log: Callable[[str], None] | None
+                       ) -> Contamination:
     contamination = check_contamination(recipe, records)
     if log:
         log(contamination.summary() + (f": {contamination.named()}" if contamination.count else ""))
+    return contamination
+
+
+def judge(recipe: Recipe, *, base: EvalReport, tuned: EvalReport, production: EvalReport | None, applied: bool,
+          probes: list[dict[str, Any]], contamination: Contamination, out_dir: Path, candidate_mode: str | None = None,
+          candidate_version: int | None = None, production_version: int | None = None) -> EvaluationResult:
+    """The promotion gate on the reports, written as ``out_dir/report.json`` and ``report.md``."""
+    cfg = recipe.evaluation
     out_dir = Path(out_dir).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _base_endpoint(recipe, model_dir=model_dir, api_key=api_key, record_dir=out_dir / "base-endpoint",
-                        base_url=base_url, base_model=base_model, log=log) as (base_url, base_model):
-        if log:
-            log(f"evaluating {len(records)} records: base {base_model}, tuned {tuned_model}")
-        base = evaluate_endpoint(base_url, api_key, base_model, cfg, records=records)
-        tuned = evaluate_endpoint(tuned_url, api_key, tuned_model, cfg, records=records)
-        prompts = [r.messages[-1]["content"] for r in records[:PROBE_PROMPTS]]
-        applied, probes = adapter_is_applied(tuned_url, api_key, base_model, tuned_model, prompts, base_url=base_url)
     # Promotion is always judged (never "promoted" while worse than the base, nor on prompts the
     # model was trained on); only a recipe that sets gate_metric makes a failed gate fail the run.
     trusted = contamination.clean or cfg.allow_contamination
     promoted = applied and trusted and promotion_gate(base, tuned, cfg.gate, min_gain=cfg.gate_min_gain)
-    result = EvaluationResult(base=base, tuned=tuned, table=compare_reports(base, tuned, style=cfg.style),
+    label = f"production (v{production_version})" if production_version is not None else "production"
+    result = EvaluationResult(base=base, tuned=tuned, production=production,
+                              table=compare_reports(base, tuned, style=cfg.style, production=production,
+                                                    production_label=label),
                               adapter_applied=applied, probes=probes, gate_metric=cfg.gate,
                               gate_enforced=cfg.gate_metric is not None, gate_min_gain=cfg.gate_min_gain,
                               contamination=contamination, allow_contamination=cfg.allow_contamination,
-                              promoted=promoted, report_json=out_dir / "report.json", report_md=out_dir / "report.md")
+                              promoted=promoted, report_json=out_dir / "report.json", report_md=out_dir / "report.md",
+                              candidate_mode=candidate_mode, candidate_version=candidate_version,
+                              production_version=production_version)
     atomic_write_json(result.report_json, {
-        "base": base.model_dump(mode="json"), "tuned": tuned.model_dump(mode="json"), "adapter_applied": applied,
+        "base": base.model_dump(mode="json"), "tuned": tuned.model_dump(mode="json"),
+        "production": production.model_dump(mode="json") if production else None, "adapter_applied": applied,
         "probes": probes, "gate_metric": result.gate_metric, "gate_enforced": result.gate_enforced,
         "gate_min_gain": cfg.gate_min_gain, "contamination": contamination.model_dump(mode="json"),
-        "allow_contamination": cfg.allow_contamination, "promoted": promoted})
+        "allow_contamination": cfg.allow_contamination, "promoted": promoted, "candidate_mode": candidate_mode,
+        "candidate_version": candidate_version, "production_version": production_version})
     atomic_write_bytes(result.report_md, render_report_md(recipe, result).encode())
     return result
 
@@ -488,18 +563,29 @@ def _base_endpoint(recipe: Recipe, *, model_dir: Path, api_key: str, record_dir:
                    base_model: str | None, log: Callable[[str], None] | None) -> Iterator[tuple[str, str]]:
     """``(url, model)`` of the base model: ``base_url`` when given, else a temporary server on a free
     port (same key, started with ``die_with_parent``), stopped on the way out."""
-    from ktflow import serve as serving
-
     if base_url is not None:
         yield base_url, base_model or recipe.serving.served_model_name
         return
+    with temporary_server(recipe, model_dir=model_dir, adapter_dir=None, api_key=api_key, record_dir=record_dir,
+                          what="base-model", log=log) as served:
+        yield served.url, served.model
+
+
+@contextlib.contextmanager
+def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, api_key: str, record_dir: Path,
+                     what: str, log: Callable[[str], None] | None) -> Iterator[ServedModel]:
+    """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
+    same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
+    the evaluation, even when we are killed), stopped on the way out."""
+    from ktflow import serve as serving
+
     try:
         port = serving.free_port(recipe.serving.host)
         if log:
-            log(f"starting a base-model server on port {port} for the comparison")
-        endpoint = serving.serve(recipe, model_dir=model_dir, adapter_dir=None, record_dir=record_dir,
+            log(f"starting a {what} server on port {port}")
+        endpoint = serving.serve(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
                                  api_key=api_key, port=port, log=log, die_with_parent=True)
-        yield endpoint.url, endpoint.model or recipe.serving.served_model_name
+        yield ServedModel(url=endpoint.url, model=endpoint.model or recipe.serving.served_model_name)
     finally:
         serving.stop(record_dir)
 
@@ -510,7 +596,15 @@ def render_report_md(recipe: Recipe, result: EvaluationResult) -> str:
     overlap = result.contamination
     need = f"gain at least {cfg.gate_min_gain:.2f} points" if cfg.gate_min_gain else "not regress"
     held = "held-out records" if overlap.clean else "evaluation records (NOT all held out: see the overlap below)"
-    md = [f"### Evaluation: {recipe.name}", "", f"{result.base.n} {held}, temperature {cfg.temperature}, "
+    judged = ""
+    if result.candidate_version is not None:
+        how = {"beside": "beside production, taking no production traffic",
+               "offline": "offline, through the training toolchain, before anything was served",
+               "swap": "in production's place (swap mode)"}.get(result.candidate_mode or "", "")
+        judged = f"Candidate v{result.candidate_version}, judged {how}" + (
+            f"; production is v{result.production_version}" if result.production_version is not None else
+            "; nothing was in production") + "\n\n"
+    md = [f"### Evaluation: {recipe.name}", "", f"{judged}{result.base.n} {held}, temperature {cfg.temperature}, "
           f"max_tokens {cfg.max_tokens}", "", result.table,
           f"Train/eval overlap: {overlap.summary().removeprefix('train/eval overlap: ')}"
           + (f": {overlap.named()}" + ("; allowed by evaluation.allow_contamination" if cfg.allow_contamination
@@ -521,3 +615,139 @@ def render_report_md(recipe: Recipe, result: EvaluationResult) -> str:
           f"Promotion gate ({result.gate_metric} must {need}{'' if result.gate_enforced else '; reported only'}): "
           f"**{'pass' if result.promoted else 'fail'}**"]
     return "\n".join(md) + "\n"
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+class Candidate(BaseModel):
+    """An adapter version to judge before it takes production traffic."""
+
+    version: int
+    adapter_dir: Path
+
+
+def evaluate_candidate(
+    recipe: Recipe, *, mode: str, model_dir: Path, serve_model_dir: Path, candidate: Candidate,
+    production: Any = None, production_version: int | None = None, api_key: str, out_dir: Path,
+    log: Callable[[str], None] | None = None,
+) -> EvaluationResult:
+    """Judge ``candidate`` without letting it take production traffic: base vs candidate vs production.
+
+    ``mode``: ``beside``: a second adapter name on the production server where the backend loads
+    adapters at run time (``serving.dynamic_lora``: SGLang's ``/load_lora_adapter``), else a second
+    server process on a free port, stopped (or the adapter unloaded) on the way out, whatever the
+    verdict; ``offline``: answers generated through the training toolchain, no server at all.
+    ``production``: the recipe's running :class:`~ktflow.serve.Endpoint` (None: nothing serves yet).
+    ``model_dir`` is the base the adapter was trained on (the comparison's base model);
+    ``serve_model_dir`` what a server loads it on.
+
+    Raises:
+        InvalidInputError: the mode cannot judge a candidate with this backend.
+        DatasetError, EvaluationError, ServerStartError: as :func:`evaluate_base_vs_tuned`.
+    """
+    from ktflow.errors import InvalidInputError
+
+    out_dir = Path(out_dir).absolute()
+    served = ServedModel(url=production.url, model=production.model) if production is not None else None
+    common = dict(production_version=production_version if served else None, candidate_version=candidate.version,
+                  candidate_mode=mode, log=log)
+    if mode == "offline":
+        return evaluate_offline(recipe, model_dir=model_dir, candidate=candidate, production_adapter=(
+            production.adapter_dir if production is not None else None), out_dir=out_dir, **common)
+    if mode != "beside":
+        raise InvalidInputError("evaluation.candidate", f"{mode!r} judges a candidate after it serves, not beside it",
+                                "call ktflow.promotion for swap mode")
+    serving = recipe.serving
+    if serving.backend == "sglang" and serving.dynamic_lora and production is not None:
+        name = f"{serving.adapter_name}-candidate-v{candidate.version}"
+        with dynamic_adapter(production.root_url, api_key, name, candidate.adapter_dir, log=log):
+            return evaluate_base_vs_tuned(
+                recipe, model_dir=model_dir, tuned_url=production.url, tuned_model=f"{serving.served_model_name}:{name}",
+                api_key=api_key, out_dir=out_dir, base_url=production.url, base_model=serving.served_model_name,
+                production=served, **common)
+    if serving.backend == "sglang":
+        raise InvalidInputError(
+            "evaluation.candidate", "'beside' needs a second sglang-kt server, which serves on serving.port only "
+            "(and a second copy of the CPU experts), or a server that loads adapters at run time",
+            "set evaluation.candidate to offline or swap, or serving.dynamic_lora: true for a plain SGLang server")
+    with temporary_server(recipe, model_dir=serve_model_dir, adapter_dir=candidate.adapter_dir, api_key=api_key,
+                          record_dir=out_dir / "candidate-endpoint", what=f"candidate v{candidate.version}",
+                          log=log) as slot:
+        return evaluate_base_vs_tuned(recipe, model_dir=model_dir, tuned_url=slot.url, tuned_model=slot.model,
+                                      api_key=api_key, out_dir=out_dir, production=served, **common)
+
+
+@contextlib.contextmanager
+def dynamic_adapter(root_url: str, api_key: str, name: str, adapter_dir: Path,
+                    log: Callable[[str], None] | None = None) -> Iterator[str]:
+    """``adapter_dir`` loaded into a running SGLang server as ``name`` for the length of the block
+    (``/load_lora_adapter``, unpinned), unloaded on the way out whatever happened. SGLang registers
+    an adapter only once it loaded, so a failed load changes nothing the server serves.
+
+    Raises:
+        EvaluationError: the server refused to load it (HTTP status and body named).
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    response = httpx.post(f"{root_url}/load_lora_adapter", headers=headers, timeout=REQUEST_TIMEOUT_S,
+                          json={"lora_name": name, "lora_path": str(Path(adapter_dir).absolute()), "pinned": False})
+    if response.status_code != 200:
+        raise EvaluationError(f"{root_url} refused to load the candidate {adapter_dir} as {name} "
+                              f"(HTTP {response.status_code}: {response.text[:500]}); production is untouched")
+    if log:
+        log(f"candidate loaded beside production as {name}")
+    try:
+        yield name
+    finally:
+        httpx.post(f"{root_url}/unload_lora_adapter", headers=headers, json={"lora_name": name},
+                   timeout=REQUEST_TIMEOUT_S)
+        if log:
+            log(f"candidate {name} unloaded")
+
+
+def evaluate_offline(
+    recipe: Recipe, *, model_dir: Path, candidate: Candidate, production_adapter: Path | None, out_dir: Path,
+    production_version: int | None = None, candidate_version: int | None = None, candidate_mode: str | None = "offline",
+    log: Callable[[str], None] | None = None,
+) -> EvaluationResult:
+    """Base vs candidate (vs production's adapter) with answers generated through the training
+    toolchain (LlamaFactory's own chat engine, as its API server answers): no server is started and
+    nothing that serves is touched. Greedy at ``evaluation.temperature`` 0, so the answers are the
+    ones the served model would give."""
+    from ktflow.offline_generation import generate_offline
+    from ktflow.serve import render_llamafactory_api
+
+    cfg = recipe.evaluation
+    records = load_eval_records(cfg)
+    _check_multiple_choice(records, cfg)
+    contamination = _log_contamination(recipe, records, log)
+    out_dir = Path(out_dir).absolute()
+    python = recipe.toolchains.train.require("toolchains.train.python", "LlamaFactory", "train-env")
+    probe_prompts = [r.messages[-1]["content"] for r in records[:PROBE_PROMPTS]]
+    requests = [{"messages": r.messages, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
+                for r in records] + [{"messages": [{"role": "user", "content": p}], "max_tokens": PROBE_MAX_TOKENS,
+                                      "temperature": 0.0} for p in probe_prompts]
+    answers: dict[str, list[dict[str, Any]]] = {}
+    adapters = {"base": None, "tuned": candidate.adapter_dir, "production": production_adapter}
+    for which, adapter in adapters.items():
+        if which == "production" and adapter is None:
+            continue
+        _, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter, train_python=python,
+                                                config_dir=out_dir)
+        if log:
+            log(f"offline generation: {which} ({len(requests)} requests through the training toolchain)")
+        answers[which] = generate_offline(python, infer, requests, work_dir=out_dir / f"offline-{which}",
+                                          env={k: v for k, v in env.items() if not k.startswith("API_")}, log=log)
+    n = len(records)
+    for got in answers.values():
+        for answer in got:
+            answer.setdefault("latency_s", answer.get("seconds"))
+    reports = {which: score_answers(f"{which} (offline)", records, got[:n], cfg) for which, got in answers.items()}
+    probes = [{"prompt": p, "base": b["text"], "tuned": t["text"], "differs": b["text"] != t["text"]}
+              for p, b, t in zip(probe_prompts, answers["base"][n:], answers["tuned"][n:], strict=True)]
+    return judge(recipe, base=reports["base"], tuned=reports["tuned"], production=reports.get("production"),
+                 applied=any(p["differs"] for p in probes), probes=probes, contamination=contamination,
+                 out_dir=out_dir, candidate_mode=candidate_mode, candidate_version=candidate_version,
+                 production_version=production_version)

@@ -181,12 +181,34 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
     elif line.stage == "serve":
         from ktflow.serve import ServeSizes, serve_needs
 
-        kt_bytes = size.expert_parameters if recipe.serving.kt_method == "AMXINT8" else size.expert_stored_bytes
-        needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=kt_bytes))
+        needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
     elif line.stage == "convert-lora":
         line.disk_bytes = 1 << 30
+    elif line.stage == "evaluate":
+        ram, gpu = _predict_candidate(line, recipe, host, size)
     _check_fit(line, host, ram, gpu)
+
+
+def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize
+                       ) -> tuple[RamNeed | None, GpuNeed | None]:
+    """How a candidate is judged on ``host`` (``evaluation.candidate`` or the choice from its memory),
+    and what that costs beside production: the serve stage's own declaration of a candidate."""
+    from ktflow.promotion import choose_candidate_mode
+    from ktflow.serve import ServeSizes, candidate_needs
+
+    sizes = ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size))
+    choice = choose_candidate_mode(recipe, sizes, host, production_running=False)
+    line.reason += f"; candidate judged {choice.mode}: {choice.reason}"
+    if recipe.evaluation.candidate is None:
+        return None, None  # the choice already fits (swap costs nothing more)
+    needs = candidate_needs(recipe, sizes, choice.mode)
+    return needs.ram, needs.gpu
+
+
+def _kt_bytes(recipe: Recipe, size: ModelSize) -> int:
+    """The CPU experts' bytes as ``serving.kt_method`` reads them."""
+    return size.expert_parameters if recipe.serving.kt_method == "AMXINT8" else size.expert_stored_bytes
 
 
 def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,

@@ -409,6 +409,10 @@ class ServingConfig(_Strict):
     kt_gpu_prefill_token_threshold: int | None = None
     kt_enable_dynamic_expert_update: bool = False
     lora_backend: Literal["triton", "csgmv", "torch_native"] = "triton"
+    dynamic_lora: bool = Field(
+        False, description="The server loads adapters at run time (plain SGLang's /load_lora_adapter): a candidate "
+        "is judged under a second adapter name on it. sglang-kt loads one adapter at startup: leave off"
+    )
     max_running_requests: int = Field(4, ge=1)
     context_length: int | None = Field(None, gt=0)
     chunked_prefill_size: int | None = Field(None, gt=0)
@@ -535,6 +539,12 @@ class EvaluationConfig(_Strict):
     allow_contamination: bool = Field(
         False, description="Promote even when evaluation prompts also occur in the training data (they are still "
         "counted, named and reported). Off: a contaminated evaluation set is never grounds for promotion"
+    )
+    candidate: Literal["beside", "offline", "swap"] | None = Field(
+        None, description="How a retrained adapter is judged before it replaces production. beside: a second "
+        "adapter name on the server (serving.dynamic_lora) or a second server on a free port; offline: answers "
+        "generated through the training toolchain, no server; swap: it serves first and a failed gate rolls "
+        "production back. Unset: the plan picks from the host's memory and says why"
     )
 
     @model_validator(mode="after")

@@ -93,15 +93,20 @@ def render_run_report(
     evaluation_verdict: str = "",
     endpoint_url: str | None = None,
     endpoint_models: str = "",
+    promotion: str = "",
     max_image_bytes: int = MAX_INLINE_IMAGE_BYTES,
 ) -> str:
     """The whole story of one pipeline run as one markdown document (the run's report artifact).
 
     Sections: the stage table (what ran, what was skipped and why, what was a cache hit, where
     each stage ran), the training loss curve (embedded), the evaluation table base vs tuned, and
-    the endpoint.
+    the endpoint. ``promotion``: the candidate's fate in one line ("promoted v2 (replaces v1)",
+    "candidate v2: not promoted (...); production stays v1"), shown first.
     """
-    lines = [f"## ktflow pipeline: {name}", "", "### Stages", "",
+    lines = [f"## ktflow pipeline: {name}", ""]
+    if promotion:
+        lines += [f"**{promotion}**", ""]
+    lines += ["### Stages", "",
              "| " + " | ".join(REPORT_COLUMNS) + " |", "|" + "---|" * len(REPORT_COLUMNS)]
     for row in stage_rows(rows, where):
         lines.append("| " + " | ".join(_cell(row[k]) for k in REPORT_COLUMNS) + " |")
@@ -109,7 +114,8 @@ def render_run_report(
     if loss_curve is not None:
         lines.append(image_markdown(loss_curve, "Training loss", "training loss", loss_caption, max_image_bytes))
     if evaluation_table:
-        lines += ["### Evaluation: base vs tuned", "", evaluation_table.strip(), ""]
+        lines += ["### Evaluation: base vs tuned" + (" vs production" if "production" in evaluation_table.split("\n", 1)[0]
+                                                    else ""), "", evaluation_table.strip(), ""]
         if evaluation_verdict:
             lines += [evaluation_verdict, ""]
     if endpoint_url:

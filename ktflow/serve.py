@@ -146,6 +146,7 @@ class Endpoint(BaseModel):
     api_key_file: Path | None = None  # where the key is when it came from no environment variable
     previous: AdapterRef | None = None  # the last good adapter before this one
     last_failed_swap: FailedSwap | None = None
+    adapter_version: int | None = None  # the recipe's adapter version it serves (ktflow.registry), once promoted
 
     @property
     def model(self) -> str:
@@ -653,6 +654,33 @@ def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
     )
 
 
+def candidate_needs(recipe: Recipe, sizes: ServeSizes, mode: str) -> Resources:
+    """What judging a candidate costs on top of production (``evaluation.candidate``).
+
+    ``beside``: a second adapter on the server where it loads adapters at run time (a few MB), else a
+    second server (:func:`serve_needs` again: the whole model once more). ``offline``: the training
+    toolchain generating with the model in BF16 in RAM (LlamaFactory's chat engine on CPU). ``swap``:
+    nothing more; the candidate serves in production's place while it is judged.
+    """
+    serving = recipe.serving
+    if mode == "swap" or (mode == "beside" and serving.backend == "sglang" and serving.dynamic_lora):
+        return Resources()
+    if mode == "offline":
+        return Resources(ram=RamNeed(bytes=2 * sizes.model.parameters, what="offline candidate generation",
+                                     why="the model in BF16 in the training toolchain"))
+    second = serve_needs(recipe, sizes)
+    ram = second.ram.model_copy(update={"what": "a second server for the candidate",
+                                        "why": f"a second server: {second.ram.why}"}) if second.ram else None
+    return Resources(ram=ram, gpu=second.gpu)
+
+
+def label_endpoint_version(record_dir: Path, endpoint: Endpoint, version: int) -> Endpoint:
+    """Record in ``endpoint.json`` which adapter version ``endpoint`` serves."""
+    labelled = endpoint.model_copy(update={"adapter_version": version})
+    _write_endpoint(record_dir, labelled)
+    return labelled
+
+
 @dataclass(frozen=True)
 class _Launch:
     """How one backend's server is started, and how to tell that it is ready."""
@@ -890,6 +918,7 @@ def swap_adapter(
     api_key: str | None = None,
     validate: bool = True,
     log: Callable[[str], None] | None = None,
+    kt_weight_dir: Path | None = None,
 ) -> Endpoint:
     """Serve ``new_adapter_dir`` in place of the recorded endpoint's adapter; roll back on failure.
 
@@ -909,7 +938,9 @@ def swap_adapter(
     if current is None:
         raise KtflowError(f"no endpoint is recorded in {record_dir}; start one with serve() first")
     model_dir = _check_model_dir(model_dir)
-    new_adapter_dir = _check_adapter(new_adapter_dir, model_dir, validate)
+    sglang = recipe.serving.backend == "sglang"  # its adapter is converted for SGLang: serve() does not validate it
+    new_adapter_dir = Path(new_adapter_dir).absolute() if sglang else _check_adapter(new_adapter_dir, model_dir,
+                                                                                       validate)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     good, good_previous = _last_good(current, record_dir)
     port = current.port or _recipe_port(recipe, log)
@@ -917,7 +948,7 @@ def swap_adapter(
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)
     common = dict(model_dir=model_dir, record_dir=record_dir, api_key=key, key_file=key_file, port=port, log=log,
-                  die_with_parent=False)
+                  die_with_parent=False, kt_weight_dir=kt_weight_dir)
     try:
         return _start_endpoint(recipe, adapter_dir=new_adapter_dir, previous=good, last_failed_swap=None, **common)
     except (KtflowError, OSError) as exc:
@@ -960,7 +991,7 @@ def dump_infer_yaml(infer: Mapping[str, Any]) -> str:
 
 __all__ = [
     "AdapterRef", "Endpoint", "FailedSwap", "ServerStartError", "SwapError", "adapter_model_name", "api_key_for",
-    "base_url", "dump_infer_yaml", "free_port", "is_alive", "port_is_free", "port_is_open", "read_endpoint",
+    "base_url", "candidate_needs", "dump_infer_yaml", "label_endpoint_version", "free_port", "is_alive", "port_is_free", "port_is_open", "read_endpoint",
     "render_llamafactory_api", "resolve_api_key", "serve", "smoke_test", "start_server", "stop", "swap_adapter",
 ]
 

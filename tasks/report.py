@@ -60,12 +60,14 @@ def _this_host(rows: list[dict]) -> dict[str, dict]:
     return {row["stage"]: here for row in rows if row.get("runs") != "skipped"}
 
 
-def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, evaluation: Any = None,
-                       endpoint: Any = None) -> str:
+def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, judgement: Any = None,
+                       endpoint: Any = None, promotion: str = "") -> str:
     """Create the run's ``pipeline-report`` artifact; returns the markdown.
 
     ``rows``: the pipeline's stage rows; ``trained``: the SftResult (its loss curve on the store);
-    ``evaluation``: the EvaluationResult, if the recipe evaluates; ``endpoint``: the Endpoint.
+    ``judgement``: the candidate's :class:`~ktflow.promotion.Judgement`, if the recipe evaluates;
+    ``endpoint``: the Endpoint serving now (None: the candidate was rejected); ``promotion``: the
+    candidate's fate in one line, shown first.
     Best effort about where stages ran: a server that cannot be asked leaves those cells empty.
     """
     try:
@@ -79,6 +81,7 @@ def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, ev
         loss = f"{trained.final_loss:.4f}" if getattr(trained, "final_loss", None) is not None else "-"
         loss_caption = f"{getattr(trained, 'steps', '-')} steps, final loss {loss}"
     verdict = ""
+    evaluation = judgement.evaluation if judgement is not None else None
     if evaluation is not None:
         verdict = (f"adapter applied: **{evaluation.adapter_applied}**, promoted: **{evaluation.promoted}**; "
                    f"{evaluation.contamination.summary()}")
@@ -90,7 +93,7 @@ def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, ev
         recipe.name, rows, where,
         loss_curve=getattr(trained, "loss_curve", None), loss_caption=loss_caption,
         evaluation_table=evaluation.table if evaluation is not None else None, evaluation_verdict=verdict,
-        endpoint_url=endpoint.url if endpoint is not None else None, endpoint_models=models,
+        endpoint_url=endpoint.url if endpoint is not None else None, endpoint_models=models, promotion=promotion,
     )
     create_markdown_artifact(key=REPORT_KEY, markdown=markdown, description=f"ktflow run report: {recipe.name}")
     return markdown

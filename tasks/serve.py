@@ -1,4 +1,9 @@
-"""Prefect tasks of the serve and evaluate stages (engines: ktflow.serve, ktflow.evaluate)."""
+"""Prefect tasks of the serve and evaluate stages (engines: ktflow.promotion, ktflow.serve,
+ktflow.evaluate).
+
+evaluate judges a candidate version (beside production, offline, or by swap); serve promotes a
+version (a health-gated swap of production); each emits its ``ktflow.adapter.*`` event.
+"""
 
 from __future__ import annotations
 
@@ -11,67 +16,89 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
-from ktflow.errors import PromotionGateError
-from ktflow.evaluate import EvaluationResult, evaluate_base_vs_tuned
 from ktflow.process import ThrottledLines
+from ktflow.promotion import Judgement, judge_candidate, promote_version, registry_of
+from ktflow.promotion import serving_dir as serving_dir  # re-exported: where the endpoint is recorded
 from ktflow.recipe import Recipe
+from ktflow.serve import Endpoint, adapter_model_name, is_alive, read_endpoint, serve, stop
 from tasks._common import StageCachePolicy, retry_unless_invalid_input
-from ktflow.serve import Endpoint, adapter_model_name, api_key_for, is_alive, read_endpoint, serve, stop
-
-
-def serving_dir(recipe: Recipe) -> Path:
-    return (recipe.store.root / "serving" / recipe.name).absolute()
+from tasks.promote import PROMOTED_EVENT, REJECTED_EVENT, emit_adapter_event
 
 
 @task(name="serve", retries=1, retry_delay_seconds=10)
-def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None = None) -> Endpoint:
-    """Start (or restart with this adapter) the recipe's endpoint; health-gated and smoke-tested."""
+def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None = None,
+               version: int | None = None, base_dir: str | None = None, why: str = "promoted") -> Endpoint:
+    """Serve version ``version`` as production (health-gated, smoke-tested swap; idempotent), or,
+    without a version, (re)start the endpoint with ``adapter_dir``."""
     logger = get_run_logger()
-    record_dir = serving_dir(recipe)
-    running = read_endpoint(record_dir)
-    if running is not None and running.adapter_dir == Path(adapter_dir) and running.state == "ready" and is_alive(running):
-        logger.info("endpoint %s already serves this adapter: not restarted", running.url)
-        return running
-    stop(record_dir)
-    endpoint = serve(recipe, model_dir=Path(model_dir), adapter_dir=Path(adapter_dir), record_dir=record_dir,
-                     kt_weight_dir=Path(kt_weight_dir) if kt_weight_dir else None, log=ThrottledLines(logger.info))
+    log = ThrottledLines(logger.info)
+    if version is None:
+        endpoint = _serve_unversioned(recipe, model_dir, adapter_dir, kt_weight_dir, log)
+    else:
+        moved = promote_version(recipe, version, model_dir=Path(model_dir),
+                                kt_weight_dir=Path(kt_weight_dir) if kt_weight_dir else None,
+                                base_dir=Path(base_dir) if base_dir else None, why=why, log=log)
+        endpoint = moved.endpoint
+        logger.info("%s: %s", recipe.name, moved.summary())
+        if moved.moved:
+            emit_adapter_event(PROMOTED_EVENT, recipe, version, {"replaces": moved.replaced, "why": why,
+                                                                 "url": endpoint.url})
     create_link_artifact(key="endpoint", link=endpoint.url, link_text=f"{recipe.name} ({adapter_model_name(recipe)})",
-                         description=f"pid {endpoint.pid}, log {endpoint.log_path}, adapter {endpoint.adapter_dir}")
+                         description=f"pid {endpoint.pid}, log {endpoint.log_path}, adapter {endpoint.adapter_dir}"
+                         + (f" (v{endpoint.adapter_version})" if endpoint.adapter_version else ""))
     return endpoint
 
 
-def _evaluation_key(inputs: dict[str, Any]) -> str | None:
-    # The same held-out data and settings against the same live server process (same adapter)
-    # give the same report: a rerun of an unchanged pipeline does not evaluate again. A restarted
-    # server (new pid and start time) means evaluate again.
+def _serve_unversioned(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None,
+                       log: ThrottledLines) -> Endpoint:
+    record_dir = serving_dir(recipe)
+    running = read_endpoint(record_dir)
+    if running is not None and running.adapter_dir == Path(adapter_dir) and running.state == "ready" and is_alive(running):
+        log(f"endpoint {running.url} already serves this adapter: not restarted")
+        return running
+    stop(record_dir)
+    return serve(recipe, model_dir=Path(model_dir), adapter_dir=Path(adapter_dir), record_dir=record_dir,
+                 kt_weight_dir=Path(kt_weight_dir) if kt_weight_dir else None, log=log)
+
+
+def _judgement_key(inputs: dict[str, Any]) -> str | None:
+    # The same candidate judged against the same production server (same process, same adapter) on
+    # the same held-out data gives the same verdict. Swap mode moves production: never cached.
     recipe: Recipe = inputs["recipe"]
-    endpoint: Endpoint = inputs["endpoint"]
-    if not is_alive(endpoint):
+    if recipe.evaluation.candidate == "swap":
         return None
+    registry = registry_of(recipe)
+    candidate = registry.get(inputs["version"])
+    production = read_endpoint(serving_dir(recipe))
+    if production is not None and not is_alive(production):
+        return None
+    served = [production.pid, production.started_at, production.adapter_manifest_digest] if production else None
     files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in recipe.evaluation.files]
-    return json.dumps([recipe.evaluation.model_dump(mode="json"), files, inputs["model_dir"], endpoint.url,
-                       endpoint.pid, endpoint.started_at, endpoint.adapter_manifest_digest], sort_keys=True)
+    return json.dumps([recipe.evaluation.model_dump(mode="json"), files, inputs["model_dir"], candidate.adapter_digest,
+                       served], sort_keys=True)
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_invalid_input,
-      cache_policy=StageCachePolicy("evaluate", _evaluation_key), cache_result_in_memory=False)
-def evaluate_task(recipe: Recipe, model_dir: str, endpoint: Endpoint) -> EvaluationResult:
-    """Base vs tuned through the OpenAI API; fails if the adapter is not applied."""
+      cache_policy=StageCachePolicy("evaluate", _judgement_key), cache_result_in_memory=False)
+def evaluate_task(recipe: Recipe, model_dir: str, version: int, serve_model_dir: str,
+                  kt_weight_dir: str | None = None) -> Judgement:
+    """Judge candidate ``version``: base vs candidate vs production, through the OpenAI API or offline.
+
+    A rejected candidate is returned, not raised (the pipeline reports it, then fails the run) and
+    emits ``ktflow.adapter.rejected``.
+    """
     logger = get_run_logger()
-    key = api_key_for(endpoint)
-    assert key is not None, "the endpoint record names its key's source"
-    result = evaluate_base_vs_tuned(recipe, model_dir=Path(model_dir), tuned_url=endpoint.url,
-                                    tuned_model=adapter_model_name(recipe), api_key=key,
-                                    out_dir=(recipe.store.root / "eval" / recipe.name).absolute(),
-                                    log=ThrottledLines(logger.info))
-    create_markdown_artifact(key="evaluation", markdown=f"### {recipe.name}: base vs tuned\n\n{result.table}\n\n"
+    judgement = judge_candidate(recipe, version, model_dir=Path(model_dir), serve_model_dir=Path(serve_model_dir),
+                                kt_weight_dir=Path(kt_weight_dir) if kt_weight_dir else None,
+                                log=ThrottledLines(logger.info))
+    result = judgement.evaluation
+    logger.info("%s", judgement.summary())
+    create_markdown_artifact(key="evaluation", markdown=f"### {recipe.name}: {judgement.summary()}\n\n"
+                             f"judged {judgement.choice.mode} ({judgement.choice.reason})\n\n{result.table}\n\n"
                              f"adapter applied: **{result.adapter_applied}**, promoted: **{result.promoted}**\n\n"
                              f"{result.contamination.summary()}")
-    if not result.adapter_applied:
-        from ktflow.errors import KtflowError
-
-        raise KtflowError("the tuned endpoint answers exactly like the base model: the adapter is not applied")
-    failure = result.gate_failure()
-    if failure:
-        raise PromotionGateError(f"{failure}; report: {result.report_md}")
-    return result
+    if not judgement.accepted and not judgement.reused:
+        emit_adapter_event(REJECTED_EVENT, recipe, version, {
+            "production": judgement.production_version, "gate": result.gate_brief(), "mode": judgement.choice.mode,
+            "report": str(result.report_md), "served_window": list(judgement.window) if judgement.window else None})
+    return judgement

@@ -1,0 +1,246 @@
+"""Adapter versions, lineage and the production pointer (ktflow.registry), the candidate-mode
+choice (ktflow.promotion.choose_candidate_mode) and SGLang's beside-production candidate path.
+Fast: no model is loaded; the SGLang server is a local one speaking its adapter API."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ktflow.errors import InvalidInputError
+from ktflow.recipe import load_recipe
+from ktflow.registry import AdapterRegistry, Lineage, PendingMove, Trigger, Verdict
+from ktflow.store import StageManifest, atomic_write_json
+
+REPO = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+
+
+def _adapter(root: Path, name: str, weights: str = "w") -> Path:
+    """A published adapter directory (its manifest digest is its identity)."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_text(weights)
+    manifest = StageManifest(stage="convert-lora", inputs={"adapter": weights})
+    atomic_write_json(path / "manifest.json", manifest.model_dump(mode="json"))
+    return path
+
+
+def _lineage(root: Path, data: str = "d1") -> Lineage:
+    return Lineage(base_digest="b" * 64, base_dir=root / "base", dataset_digest=data, recipe_digest="r" * 64,
+                   sft_run=root / "run", sft_manifest_digest="s" * 64, trigger=Trigger(kind="cli", detail="test"))
+
+
+def test_each_new_adapter_is_the_next_version_and_the_same_adapter_the_same_version(tmp_path: Path) -> None:
+    registry = AdapterRegistry(tmp_path / "store", "demo")
+    first = registry.register(_adapter(tmp_path, "a1", "one"), _lineage(tmp_path))
+    again = registry.register(_adapter(tmp_path, "a1-copy", "one"), _lineage(tmp_path, "other"))
+    second = registry.register(_adapter(tmp_path, "a2", "two"), _lineage(tmp_path, "d2"))
+    assert (first.version, again.version, second.version) == (1, 1, 2)
+    assert again.lineage.dataset_digest == "d1"  # the first registration's lineage is kept
+    assert [v.label for v in registry.versions()] == ["v1", "v2"]
+    assert registry.get(2).lineage.trigger.kind == "cli"
+    with pytest.raises(InvalidInputError, match=r"demo v7: no such adapter version \(the recipe has: v1, v2\)"):
+        registry.get(7)
+    with pytest.raises(InvalidInputError, match="holds no manifest.json"):
+        registry.register(tmp_path, _lineage(tmp_path))
+
+
+def test_concurrent_registrations_never_share_a_number(tmp_path: Path) -> None:
+    registry = AdapterRegistry(tmp_path / "store", "demo")
+    adapters = [_adapter(tmp_path, f"a{i}", f"w{i}") for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        versions = list(pool.map(lambda a: registry.register(a, _lineage(tmp_path)).version, adapters))
+    assert sorted(versions) == list(range(1, 9))
+
+
+def test_the_production_pointer_moves_keeps_its_history_and_knows_where_rollback_goes(tmp_path: Path) -> None:
+    registry = AdapterRegistry(tmp_path / "store", "demo")
+    for i in (1, 2, 3):
+        registry.register(_adapter(tmp_path, f"a{i}", f"w{i}"), _lineage(tmp_path))
+    with pytest.raises(InvalidInputError, match="nothing was promoted yet"):
+        registry.rollback_target()
+    registry.finish_move(1, "first")
+    with pytest.raises(InvalidInputError, match="only v1 was ever promoted"):
+        registry.rollback_target()
+    registry.begin_move(PendingMove(from_version=1, to_version=2, why="gate passed", model_dir=tmp_path))
+    assert registry.pending() is not None and registry.pending().to_version == 2
+    production = registry.finish_move(2, "gate passed")
+    assert (production.version, production.previous) == (2, 1) and registry.pending() is None
+    assert registry.rollback_target().version == 1
+    assert registry.finish_move(2, "again").history == production.history  # idempotent: no new move
+    cleared = registry.clear_production("swap mode: v3 failed")
+    assert cleared.version is None and cleared.previous == 1
+    assert [(m.from_version, m.to_version) for m in cleared.history] == [(None, 1), (1, 2), (2, None)]
+    registry.record_verdict(3, Verdict(status="failed", summary="style +0.00 < +50.00", mode="beside"))
+    assert registry.get(3).verdict.status == "failed"
+
+
+# --------------------------------------------------------------------------- candidate mode
+
+
+def _host(ram_gib: float):
+    from ktflow.hardware import HostInfo, NumaNode
+
+    ram = int(ram_gib * GiB)
+    return HostInfo(hostname="box", cpu_model="test", cpu_flags=[], cpu_variant="avx512_bf16",
+                    cpu_variant_overridden=False, logical_cores=2, physical_cores=2, numa_nodes=1,
+                    numa=[NumaNode(id=0, cpus=[0, 1], mem_total_bytes=ram, mem_free_bytes=ram)], ram_bytes=ram,
+                    ram_available_bytes=ram, gpus=[], disk_path="/store", disk_free_bytes=100 * GiB,
+                    shm_bytes=GiB, shm_free_bytes=GiB)
+
+
+def _sizes(parameters: int):
+    from ktflow.serve import ServeSizes
+    from ktflow.sizing import ModelSize
+
+    return ServeSizes(model=ModelSize(path="m", parameters=parameters, hidden_size=8, num_layers=1, vocab_size=8,
+                                      linear_shapes={}))
+
+
+@pytest.mark.parametrize(("recipe", "ram_gib", "running", "mode", "says"), [
+    # LlamaFactory's CPU server: a second one costs the model in BF16 again (8 GiB here).
+    ("tiny-demo", 12, True, "beside", "a second server: the model in BF16"),  # 8 more fit in 12 free
+    ("tiny-demo", 12, False, "swap", "plus production's the model in BF16"),  # planned: 8 + 8 do not fit in 12
+    ("tiny-demo", 6, True, "swap", "the candidate serves in production's place"),
+    # sglang-kt: never a second server; offline generation when the model fits in RAM in BF16.
+    ("kimi-k2.5-rawint4", 64, True, "offline", "sglang-kt loads its adapter at startup"),
+    ("kimi-k2.5-rawint4", 6, True, "swap", "nor offline"),
+])
+def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recipe, ram_gib, running, mode,
+                                                                             says) -> None:
+    from ktflow.promotion import choose_candidate_mode
+
+    recipe = load_recipe(REPO / f"recipes/{recipe}.yaml")
+    choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(ram_gib), production_running=running)
+    assert choice.mode == mode and says in choice.reason, choice
+
+
+def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
+    from ktflow.promotion import choose_candidate_mode
+
+    recipe = load_recipe(REPO / "recipes/tiny-demo.yaml", ["evaluation.candidate=beside"])
+    choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(6), production_running=True)
+    assert choice.mode == "beside" and choice.reason.startswith("set by evaluation.candidate (though ")
+    assert "needs ~8.00 GiB of RAM" in choice.reason and choice.ram_bytes == 8 * GiB
+
+
+def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> None:
+    """Kimi-K2.5 on a 2 x 48-core host with 1.5 TB: the CPU experts take most of the RAM; neither a
+    second sglang-kt server nor BF16 generation fits beside production."""
+    from ktflow.plan import plan_recipe
+
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml")
+    host = _host(1536)
+    plan = plan_recipe(recipe, host)
+    [evaluate] = [s for s in plan.stages if s.stage == "evaluate"]
+    assert "candidate judged swap" in evaluate.reason and "no room beside production" in evaluate.reason
+    assert evaluate.fits
+    dynamic = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.dynamic_lora=true"])
+    [evaluate] = [s for s in plan_recipe(dynamic, host).stages if s.stage == "evaluate"]
+    assert "candidate judged beside" in evaluate.reason, evaluate.reason
+
+
+# --------------------------------------------------------------------------- SGLang: a second adapter name
+
+
+class _Sglang:
+    """SGLang's adapter API: base, production and candidate answer differently (the candidate
+    never in the recipe's style)."""
+
+    def __init__(self, key: str) -> None:
+        self.loaded: dict[str, str] = {"tuned": "/adapters/production"}
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, status: int, doc: dict) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.headers.get("Authorization") != f"Bearer {key}":
+                    return self._reply(401, {"error": "bad key"})
+                if self.path == "/load_lora_adapter":
+                    if payload["lora_name"] in fake.loaded:
+                        return self._reply(400, {"error": "already loaded"})
+                    fake.loaded[payload["lora_name"]] = payload["lora_path"]
+                    return self._reply(200, {"success": True})
+                if self.path == "/unload_lora_adapter":
+                    fake.loaded.pop(payload["lora_name"], None)
+                    return self._reply(200, {"success": True})
+                if self.path == "/v1/chat/completions":
+                    _, _, name = payload["model"].partition(":")
+                    if name and name not in fake.loaded:
+                        return self._reply(400, {"error": f"unknown adapter {name}"})
+                    prompt = payload["messages"][-1]["content"]
+                    text = {"": f"base: {prompt}", "tuned": f"{prompt} nya~"}.get(name, f"candidate: {prompt}")
+                    return self._reply(200, {
+                        "id": "x", "object": "chat.completion", "created": 0, "model": payload["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": text}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
+                return self._reply(404, {})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.root_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tmp_path: Path) -> None:
+    from ktflow.demo import write_demo_dataset
+    from ktflow.evaluate import Candidate, evaluate_candidate
+    from ktflow.serve import Endpoint
+
+    key = "k" * 24
+    fake = _Sglang(key)
+    write_demo_dataset(tmp_path / "data")
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [
+        "serving.dynamic_lora=true", "serving.served_model_name=kimi", f"dataset.files=[{tmp_path / 'data/train.jsonl'}]",
+        "dataset.format=openai", f"evaluation.files=[{tmp_path / 'data/eval.jsonl'}]", "evaluation.format=openai",
+        "evaluation.style={marker: 'nya~'}", "evaluation.gate_metric=style", "evaluation.gate_min_gain=50"])
+    production = Endpoint(url=f"{fake.root_url}/v1", backend="sglang", served_model_name="kimi",
+                          adapter_model_name="kimi:tuned", pid=1, log_path=tmp_path / "log", adapter_dir=None,
+                          adapter_manifest_digest=None, started_at="now")
+    try:
+        result = evaluate_candidate(recipe, mode="beside", model_dir=tmp_path, serve_model_dir=tmp_path,
+                                    candidate=Candidate(version=2, adapter_dir=tmp_path / "v2"), production=production,
+                                    production_version=1, api_key=key, out_dir=tmp_path / "eval")
+    finally:
+        fake.server.shutdown()
+    assert fake.loaded == {"tuned": "/adapters/production"}  # the candidate is gone, production untouched
+    assert result.tuned.model == "kimi:tuned-candidate-v2" and result.base.model == "kimi"
+    assert result.production is not None and result.production.model == "kimi:tuned"
+    # Production carries the style on every prompt, the candidate on none: it is not promoted.
+    assert result.production.metrics["style"] == 100.0 and result.tuned.metrics["style"] == 0.0
+    assert result.adapter_applied and not result.promoted
+    assert "| style ('nya~') | 0.00 | 0.00 | +0.00 | 100.00 |" in result.table
+    assert "production (v1)" in result.table.splitlines()[0]
+    assert "Candidate v2, judged beside production" in result.report_md.read_text()
+
+
+def test_a_candidate_sglang_refuses_to_load_changes_nothing(tmp_path: Path) -> None:
+    from ktflow.evaluate import EvaluationError, dynamic_adapter
+
+    key = "k" * 24
+    fake = _Sglang(key)
+    fake.loaded["tuned-candidate-v2"] = "squatter"
+    try:
+        with pytest.raises(EvaluationError, match=r"HTTP 400.*production is untouched"):
+            with dynamic_adapter(fake.root_url, key, "tuned-candidate-v2", tmp_path):
+                pass
+    finally:
+        fake.server.shutdown()
+    assert fake.loaded == {"tuned": "/adapters/production", "tuned-candidate-v2": "squatter"}
