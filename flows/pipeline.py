@@ -1,7 +1,10 @@
 """The pipeline DAG, run in-process (``ktflow-pipeline``) or dispatched to stage deployments.
 
 download -> dequantize (when a stage reads BF16) -> sft -> convert-lora -> quantize-int8 (when
-AMXINT8 weights are wanted) -> serve -> evaluate. Stages the recipe does not need are skipped
+AMXINT8 weights are wanted) -> evaluate -> serve: the adapter is registered as version N
+and judged as a candidate before it serves (ktflow.promotion); only one that passes its gate
+is promoted by the serve stage, and a rejected one leaves production untouched and fails the
+run after its report is published. Stages the recipe does not need are skipped
 and the summary says why. Every stage's engine publishes a manifest-described artifact, so a
 rerun of an unchanged recipe is a cache hit stage by stage; a changed dataset re-runs SFT and
 what follows it, never download or dequantize.
@@ -79,17 +82,25 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     table.record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank})")
     _quantize_int8(recipe, call, bf16_dir or source.path, table)
 
-    outcome: dict[str, Any] = {"adapter": str(adapter.path)}
-    version = register_adapter_task(recipe, str(adapter.path), str(trained.adapter_dir), str(model_dir))
-    outcome["version"] = version.version
     serve_model, kt_weights = serving_weights(recipe, source_dir=source.path, bf16_dir=bf16_dir)
+    return _judge_and_promote(recipe, call, table, trained, adapter.path, model_dir=model_dir, serve_model=serve_model,
+                              kt_weights=kt_weights)
+
+
+def _judge_and_promote(recipe: Recipe, call: StageCall, table: _StageTable, trained: Any, adapter: Path, *,
+                       model_dir: Path, serve_model: Path, kt_weights: Path | None) -> dict[str, Any]:
+    """Register the adapter as version N, judge it as a candidate, and promote it only if it passed.
+
+    The candidate is judged where it takes no production traffic (or, in swap mode, rolled back
+    on a failed gate); the base model of the comparison is the one the adapter was trained on.
+    A rejected candidate's report is published, then the run fails naming what stays in production.
+    """
+    version = register_adapter_task(recipe, str(adapter), str(trained.adapter_dir), str(model_dir))
+    outcome: dict[str, Any] = {"adapter": str(adapter), "version": version.version}
     weights = dict(kt_weight_dir=str(kt_weights) if kt_weights else None)
     judgement = None
     before = registry_of(recipe).production().version
     if table.plans["evaluate"].needed:
-        # Candidate first: judged where it takes no production traffic (or, in swap mode, rolled
-        # back on a failed gate); only a version that passes replaces production. The base model
-        # of the comparison is the one the adapter was trained on.
         judgement = call("evaluate", recipe=recipe, model_dir=str(model_dir), version=version.version,
                          serve_model_dir=str(serve_model), **weights)
         table.record("evaluate", evaluation_verdict(judgement))
@@ -101,7 +112,7 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
         _report(recipe, table, trained, judgement, endpoint=None, promotion=judgement.summary())
         raise PromotionGateError(judgement.rejection())
     why = judgement.summary() if judgement is not None else "promoted (the recipe does not evaluate)"
-    endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter.path),
+    endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter),
                     version=version.version, base_dir=str(model_dir), why=why, **weights)
     table.record("serve", f"{endpoint.url} (v{version.version})")
     outcome["endpoint"] = endpoint.url

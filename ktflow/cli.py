@@ -668,8 +668,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _embedded_prefect(args.verbose)
     from flows.pipeline import pipeline
 
-    err.print("[bold]ktflow-pipeline[/]: download -> dequantize -> sft -> convert-lora -> quantize-int8 -> serve -> "
-              "evaluate, on Prefect's embedded API (state in .ktflow/prefect)")
+    err.print("[bold]ktflow-pipeline[/]: download -> dequantize -> sft -> convert-lora -> quantize-int8 -> evaluate "
+              "the candidate -> serve it if it passed, on Prefect's embedded API (state in .ktflow/prefect)")
     started = time.monotonic()
     state = pipeline(recipe, return_state=True)
     outcome = state.result()  # raises the failed stage's error

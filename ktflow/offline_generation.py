@@ -110,6 +110,27 @@ def generate_offline(
     out_path.unlink(missing_ok=True)  # never return an earlier run's answers
     atomic_write_json(plan_path, plan)
 
+    tail, errors, on_line = _driver_events(log)
+
+    with ktflow_pythonpath() as pkg_dir:
+        child_env = {**os.environ, **(env or {}), "PYTHONPATH": pkg_dir, "PYTHONUNBUFFERED": "1",
+                     "HF_HUB_OFFLINE": "1"}
+        argv = [str(train_python), "-m", "ktflow._drivers.offline_chat", "--plan", str(plan_path),
+                "--out", str(out_path)]
+        try:
+            run_tool(argv, env=child_env, log_path=log_path, on_line=on_line, timeout_s=timeout_s)
+        except ToolError as exc:
+            what = errors[-1] if errors else f"the driver exited with status {exc.returncode}"
+            raise OfflineGenerationError(f"offline generation failed: {what}", list(tail), log_path) from None
+        except KtflowError as exc:  # ran past timeout_s, or could not start
+            raise OfflineGenerationError(f"offline generation failed: {exc}", list(tail), log_path) from None
+    return _read_answers(out_path, len(plan["requests"]), list(tail), log_path)
+
+
+def _driver_events(log: Callable[[str], None] | None
+                   ) -> tuple[deque[str], list[str], Callable[[str], None]]:
+    """The driver's output parser: its last plain lines, the errors it reported, and the callback
+    that forwards progress to ``log``."""
     tail: deque[str] = deque(maxlen=50)
     errors: list[str] = []
     raw = ThrottledLines(log) if log is not None else None
@@ -130,19 +151,7 @@ def generate_offline(
         elif "done" in event and log is not None:
             log(f"offline generation: {event['done']}/{event['total']} answered")
 
-    with ktflow_pythonpath() as pkg_dir:
-        child_env = {**os.environ, **(env or {}), "PYTHONPATH": pkg_dir, "PYTHONUNBUFFERED": "1",
-                     "HF_HUB_OFFLINE": "1"}
-        argv = [str(train_python), "-m", "ktflow._drivers.offline_chat", "--plan", str(plan_path),
-                "--out", str(out_path)]
-        try:
-            run_tool(argv, env=child_env, log_path=log_path, on_line=on_line, timeout_s=timeout_s)
-        except ToolError as exc:
-            what = errors[-1] if errors else f"the driver exited with status {exc.returncode}"
-            raise OfflineGenerationError(f"offline generation failed: {what}", list(tail), log_path) from None
-        except KtflowError as exc:  # ran past timeout_s, or could not start
-            raise OfflineGenerationError(f"offline generation failed: {exc}", list(tail), log_path) from None
-    return _read_answers(out_path, len(plan["requests"]), list(tail), log_path)
+    return tail, errors, on_line
 
 
 def _read_answers(out_path: Path, expected: int, tail: list[str], log_path: Path) -> list[dict[str, Any]]:

@@ -305,15 +305,18 @@ def _serve_adapter(recipe: Recipe, adapter_dir: Path, *, model_dir: Path, kt_wei
                    log: Log) -> Any:
     """Serve ``adapter_dir`` at the recipe's endpoint: a health-gated swap of a running server, or a
     fresh start (a stale record is cleared first)."""
-    from ktflow.serve import serve, stop, swap_adapter
+    from ktflow.serve import port_is_free, read_endpoint, serve, stop, swap_adapter
 
     record_dir = serving_dir(recipe)
     if running is not None:
         return swap_adapter(recipe, model_dir=Path(model_dir), new_adapter_dir=Path(adapter_dir), record_dir=record_dir,
                             kt_weight_dir=kt_weight_dir, log=log)
+    stale = read_endpoint(record_dir)
     stop(record_dir)
+    # A server that died (or was stopped mid-swap) comes back on the port clients know.
+    port = stale.port if stale is not None and stale.port and port_is_free(recipe.serving.host, stale.port) else None
     return serve(recipe, model_dir=Path(model_dir), adapter_dir=Path(adapter_dir), record_dir=record_dir,
-                 kt_weight_dir=kt_weight_dir, log=log)
+                 kt_weight_dir=kt_weight_dir, port=port, log=log)
 
 
 def _label_endpoint(record_dir: Path, endpoint: Any, version: int) -> Any:
@@ -445,8 +448,9 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     choice = choose_candidate_mode(recipe, sizes, host or probe_host(recipe.store.root),
                                    production_running=production is not None)
     before = candidate.verdict
+    judged_with = _evaluation_digest(recipe, model_dir)
     if production_version == version and before is not None and before.status == "passed" and \
-            (out_dir / EVALUATION_JSON).is_file():
+            before.evaluation_digest == judged_with and (out_dir / EVALUATION_JSON).is_file():
         evaluation = EvaluationResult.model_validate_json((out_dir / EVALUATION_JSON).read_text(encoding="utf-8"))
         return Judgement(version=version, evaluation=evaluation, choice=choice, production_version=version, reused=True)
     if log:
@@ -470,5 +474,15 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     registry.record_verdict(version, Verdict(
         status="passed" if judgement.accepted or evaluation.promoted else "failed",
         enforced=evaluation.gate_enforced, summary=judgement.summary(), mode=choice.mode,
-        report=evaluation.report_md, served_window=window))
+        report=evaluation.report_md, served_window=window, evaluation_digest=judged_with))
     return judgement
+
+
+def _evaluation_digest(recipe: Recipe, model_dir: Path) -> str:
+    """What a verdict depends on besides the adapter: the evaluation settings, the held-out files'
+    bytes and the base compared against."""
+    import hashlib
+
+    files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in recipe.evaluation.files]
+    return identity_digest({"evaluation": recipe.evaluation.model_dump(mode="json"), "files": files,
+                            "base": str(Path(model_dir).absolute())})

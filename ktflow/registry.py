@@ -79,6 +79,7 @@ class Verdict(BaseModel):
     mode: CandidateMode | None = None  # how the candidate was judged (None: not evaluated)
     report: Path | None = None  # the evaluation report (report.md)
     served_window: tuple[str, str] | None = None  # swap mode: when the candidate took production traffic
+    evaluation_digest: str = ""  # the evaluation settings and held-out files it was judged with
     at: str = Field(default_factory=_now)
 
 
@@ -153,7 +154,7 @@ class AdapterRegistry:
         if not path.is_file():
             have = ", ".join(v.label for v in self.versions()) or "none yet"
             raise InvalidInputError(f"{self.recipe} v{version}", f"no such adapter version (the recipe has: {have})",
-                                    f"`ktflow adapters RECIPE` lists the versions")
+                                    "`ktflow adapters RECIPE` lists the versions")
         return AdapterVersion.model_validate_json(path.read_text(encoding="utf-8"))
 
     def find(self, adapter_digest: str) -> AdapterVersion | None:
@@ -253,17 +254,22 @@ class AdapterRegistry:
         (self.root / PENDING_FILE).unlink(missing_ok=True)
 
     def rollback_target(self) -> AdapterVersion:
-        """The version a rollback returns to: the one production pointed at before its last move.
+        """The version a rollback returns to: the latest one production pointed at before the current
+        one, skipping any that failed its gate (a candidate judged in production's place, swap mode).
 
         Raises:
-            InvalidInputError: nothing was promoted twice, so there is nothing to go back to.
+            InvalidInputError: nothing else was ever promoted, so there is nothing to go back to.
         """
         current = self.production()
-        if current.previous is None:
-            what = f"only v{current.version} was ever promoted" if current.version else "nothing was promoted yet"
-            raise InvalidInputError(f"{self.recipe}", f"has no earlier production version to roll back to ({what})",
-                                    "promote a version by number: `ktflow promote RECIPE VERSION`")
-        return self.get(current.previous)
+        for move in reversed(current.history):
+            if move.to_version is None or move.to_version == current.version:
+                continue
+            version = self.get(move.to_version)
+            if version.verdict is None or version.verdict.status != "failed":
+                return version
+        what = f"only v{current.version} was ever promoted" if current.version else "nothing was promoted yet"
+        raise InvalidInputError(f"{self.recipe}", f"has no earlier production version to roll back to ({what})",
+                                "promote a version by number: `ktflow promote RECIPE VERSION`")
 
     def _version_path(self, version: int) -> Path:
         return self.root / f"v{version:04d}.json"

@@ -244,3 +244,14 @@ def test_a_candidate_sglang_refuses_to_load_changes_nothing(tmp_path: Path) -> N
     finally:
         fake.server.shutdown()
     assert fake.loaded == {"tuned": "/adapters/production", "tuned-candidate-v2": "squatter"}
+
+
+def test_rollback_skips_a_candidate_that_served_only_to_be_judged_and_failed(tmp_path: Path) -> None:
+    registry = AdapterRegistry(tmp_path / "store", "demo")
+    for i in (1, 2, 3):
+        registry.register(_adapter(tmp_path, f"a{i}", f"w{i}"), _lineage(tmp_path))
+    for version in (1, 2, 3):
+        registry.finish_move(version, "promoted")
+    registry.record_verdict(3, Verdict(status="failed", summary="style +0.00 < +50.00", mode="swap"))
+    registry.finish_move(2, "swap mode: v3 failed its gate")  # v2 restored
+    assert registry.rollback_target().version == 1  # not v3, which production pointed at in between

@@ -279,7 +279,9 @@ def test_the_finished_run_page_shows_stages_loss_curve_evaluation_endpoint_and_h
     assert loaded and loaded[0]["complete"] and loaded[0]["width"] > 100 and loaded[0]["height"] > 100, browser.images()
     assert loaded[0]["src"].startswith("data:image/png;base64,")
     # The evaluation numbers are the report's.
-    report = json.loads((setup.root / "store/eval/tiny-demo/report.json").read_text())
+    # The version this run judged: the newest report (each version's lives in eval/<recipe>/v<N>/).
+    newest = max((setup.root / "store/eval/tiny-demo").glob("v*/report.json"), key=lambda p: p.stat().st_mtime)
+    report = json.loads(newest.read_text())
     [evaluation] = [t for t in tables if t and t[0][:3] == ["metric", "base", "tuned"]]
     # The style row is named after the recipe's marker (``style ('nya~')``); the report keys it ``style``.
     from ktflow.recipe import load_recipe
