@@ -38,8 +38,8 @@ ENGINE_CALLS = {
     "sft": ("tasks.sft", "run_sft"),
     "convert-lora": ("tasks.convert_lora", "convert_lora"),
     "quantize-int8": ("tasks.quantize_int8", "quantize_int8"),
-    "serve": ("tasks.serve", "serve"),
-    "evaluate": ("tasks.serve", "evaluate_base_vs_tuned"),
+    "serve": ("tasks.serve", "promote_version"),
+    "evaluate": ("tasks.serve", "judge_candidate"),
 }
 
 

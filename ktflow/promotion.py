@@ -24,9 +24,7 @@ the move when the new adapter serves, or restarts the old one.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -164,17 +162,9 @@ class MoveResult(BaseModel):
         return f"promoted v{self.version}" + (f" (replaces v{self.replaced})" if self.replaced is not None else "")
 
 
-@contextlib.contextmanager
-def _move_lock(registry: AdapterRegistry) -> Iterator[None]:
-    """One move of a recipe's production at a time (flock: a killed holder releases it)."""
-    registry.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(registry.root / ".move.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+def _move_lock(registry: AdapterRegistry) -> contextlib.AbstractContextManager[None]:
+    """One move of a recipe's production at a time."""
+    return registry.locked(".move.lock")
 
 
 def _serving_now(record_dir: Path) -> Any:

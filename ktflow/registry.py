@@ -12,7 +12,8 @@ Layout, one directory per recipe (``<store>/registry/<recipe>/``)::
     production.json       the pointer: the version serving, the one before, every move
     pending-move.json     a promotion in flight (written before the server is touched,
                           removed after the pointer moved): what a crash leaves behind
-    .lock                 flock: one writer at a time (version numbers, pointer moves)
+    .lock                 flock: one writer of these records at a time (version numbers, the pointer)
+    .move.lock            flock: one move of production at a time (ktflow.promotion)
 
 Every file is written atomically; a reader sees the old document or the new, never half of one.
 This module only keeps records; moving what a server serves is :mod:`ktflow.promotion`'s job.
@@ -182,10 +183,12 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ writing
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the registry's write lock (flock: released by the kernel if the holder dies)."""
+    def locked(self, name: str = ".lock") -> Iterator[None]:
+        """Hold one of the registry's locks (flock: released by the kernel if the holder dies):
+        ``.lock`` for its records (held for milliseconds), ``.move.lock`` for a move of production
+        (held while a server swaps; :mod:`ktflow.promotion`). Not reentrant."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

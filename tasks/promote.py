@@ -20,9 +20,10 @@ REJECTED_EVENT = "ktflow.adapter.rejected"
 
 
 def current_trigger() -> Trigger:
-    """What started this flow run: ``cli`` (an embedded ``ktflow run``/``demo``), ``schedule``, a
-    ``dataset-event`` (an automation, as ``ktflow dataset publish`` triggers), else ``deployment``
-    (the Prefect UI or ``prefect deployment run``: the OSS server records no difference)."""
+    """What started this flow run (the pipeline's, for a dispatched stage): ``cli`` (an embedded
+    ``ktflow run``/``demo``), ``schedule``, a ``dataset-event`` (a deployment trigger, as the retrain
+    deployment's on ``dataset.version.published``), else ``deployment`` (the Prefect UI or
+    ``prefect deployment run``: the OSS server records no difference)."""
     run_id = current_run.id
     if not run_id:
         return Trigger(kind="unknown")
@@ -38,13 +39,14 @@ def current_trigger() -> Trigger:
     except Exception:  # the trigger is lineage, never a reason to fail a run
         return Trigger(kind="unknown", detail=f"flow run {run_id}")
     detail = f"flow run {root.name} ({root.id})"
-    created_by = getattr(root, "created_by", None)
     if root.deployment_id is None:
         return Trigger(kind="cli", detail=f"embedded run: {detail}")
     if root.auto_scheduled:
         return Trigger(kind="schedule", detail=detail)
-    if created_by is not None and str(getattr(created_by, "type", "")).upper() == "AUTOMATION":
-        return Trigger(kind="dataset-event", detail=f"{detail}, automation {created_by.display_value}")
+    # A deployment trigger's run-deployment action keys the runs it creates "automation <id>, action
+    # <n>, invocation <id>" (prefect.server.events.schemas.automations.TriggeredAction.idempotency_key).
+    if (root.idempotency_key or "").startswith("automation "):
+        return Trigger(kind="dataset-event", detail=f"{detail}, {root.idempotency_key.split(',')[0]}")
     return Trigger(kind="deployment", detail=detail)
 
 

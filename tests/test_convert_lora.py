@@ -326,8 +326,12 @@ def peft_adapter(fixture_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA adapter saved by PEFT 0.18.1 itself (training toolchain), loading the base by a relative path."""
     if not TRAIN_PYTHON.exists():
         pytest.skip("training toolchain not installed (make train-env)")
-    base = fixture_dir("bf16")
-    out = tmp_path_factory.mktemp("peft") / "adapter"
+    return save_peft_adapter(fixture_dir("bf16"), tmp_path_factory.mktemp("peft") / "adapter")
+
+
+def save_peft_adapter(base: Path, out: Path) -> Path:
+    """A rank-8 LoRA adapter on ``base`` with random (non-zero) B, saved by PEFT itself in the
+    training toolchain; its config names the base by a relative path."""
     code = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"

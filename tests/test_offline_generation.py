@@ -9,13 +9,12 @@ completion token count and finish reason must be identical.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_convert_lora import save_peft_adapter
 
 from ktflow.errors import InvalidInputError
 from ktflow.offline_generation import LOG_NAME, OfflineGenerationError, generate_offline
@@ -26,7 +25,6 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 KEY = "offline-test-key-0123456789"
-TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,20 +47,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fixture_dir) -> Iterator[dic
 
     root = tmp_path_factory.mktemp("offline")
     model = fixture_dir("bf16", lm_head_std=0.2)
-    adapter = root / "adapter"
-    code = (
-        "import sys, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "from peft import LoraConfig, get_peft_model\n"
-        "torch.manual_seed(0)\n"
-        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)\n"
-        f"config = LoraConfig(r=8, lora_alpha=16, target_modules={TARGETS!r}, task_type='CAUSAL_LM',"
-        " init_lora_weights=False)\n"
-        "get_peft_model(model, config).save_pretrained(sys.argv[2])\n"
-    )
-    done = subprocess.run([str(TRAIN_PYTHON), "-c", code, str(model), str(adapter)], capture_output=True,
-                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    adapter = save_peft_adapter(model, root / "adapter")
     data = root / "data"
     write_demo_dataset(data)
     recipe = load_recipe(RECIPES / "tiny-demo.yaml", [

@@ -133,10 +133,12 @@ def assert_rejected_candidates_never_serve(tmp_path: Path) -> None:
     """A retrain on a regressing dataset version is judged and rejected in each candidate mode;
     production (v2) keeps answering as it did. Expected errors end in one `error:` line, no traceback."""
     regressing = regressing_dataset(tmp_path)
+    # A short tune (40 steps) is enough to make a new version; the three runs below share it (SFT cached).
+    retrain = ("--set", f"dataset.files=[{regressing}]", "--set", "sft.max_steps=40")
     before = endpoint_record(tmp_path)
     answers = probe_answers(tmp_path)
     # beside (this box's choice: a second CPU server fits): the same server process keeps serving.
-    rejected = ktflow_run(tmp_path, "recipes/tiny-demo.yaml", "--set", f"dataset.files=[{regressing}]")
+    rejected = ktflow_run(tmp_path, "recipes/tiny-demo.yaml", *retrain)
     assert rejected.returncode == 1, rejected.stderr[-3000:]
     assert "Traceback" not in rejected.stderr + rejected.stdout, rejected.stderr[-3000:]
     [line] = [ln for ln in rejected.stderr.splitlines() if ln.startswith("error:")]
@@ -151,8 +153,7 @@ def assert_rejected_candidates_never_serve(tmp_path: Path) -> None:
     assert report["promoted"] is False and report["gate_enforced"] is True and report["candidate_mode"] == "beside"
 
     # swap: the candidate serves in production's place, fails, and v2 is promoted back at once.
-    swapped = ktflow_run(tmp_path, "recipes/tiny-demo.yaml", "--set", f"dataset.files=[{regressing}]",
-                         "--set", "evaluation.candidate=swap")
+    swapped = ktflow_run(tmp_path, "recipes/tiny-demo.yaml", *retrain, "--set", "evaluation.candidate=swap")
     assert swapped.returncode == 1, swapped.stderr[-3000:]
     assert re.search(r"candidate v3: not promoted \(style [+-][\d.]+ < \+50\.00\); production stays v2; it served "
                      r"\S+ - \S+ \(swap mode\)", swapped.stderr), swapped.stderr[-3000:]
@@ -163,8 +164,8 @@ def assert_rejected_candidates_never_serve(tmp_path: Path) -> None:
     # offline: generation through the training toolchain; nothing that serves is touched. The gate
     # here fails by construction, not by what this CPU's numerics make the random model say: a
     # style every answer matches (/^/) scores 100 % for the base as for the candidate.
-    offline = ktflow_run(tmp_path, "recipes/tiny-demo.yaml", "--set", f"dataset.files=[{regressing}]",
-                         "--set", "evaluation.candidate=offline", "--set", 'evaluation.style={pattern: "^"}',
+    offline = ktflow_run(tmp_path, "recipes/tiny-demo.yaml", *retrain, "--set", "evaluation.candidate=offline",
+                         "--set", 'evaluation.style={pattern: "^"}',
                          "--set", "evaluation.gate_min_gain=1")
     assert offline.returncode == 1, offline.stderr[-3000:]
     assert "style is 100.00 against the base's 100.00 (+0.00 points); the promotion gate asks for at least " \

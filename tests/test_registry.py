@@ -4,13 +4,11 @@ Fast: no model is loaded; the SGLang server is a local one speaking its adapter 
 
 from __future__ import annotations
 
-import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from test_sglang_swap import KEY, FakeSglang
 
 from ktflow.errors import InvalidInputError
 from ktflow.recipe import load_recipe
@@ -149,54 +147,13 @@ def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> 
 # --------------------------------------------------------------------------- SGLang: a second adapter name
 
 
-class _Sglang:
-    """SGLang's adapter API: base, production and candidate answer differently (the candidate
-    never in the recipe's style)."""
-
-    def __init__(self, key: str) -> None:
-        self.loaded: dict[str, str] = {"tuned": "/adapters/production"}
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def _reply(self, status: int, doc: dict) -> None:
-                body = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self) -> None:
-                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.headers.get("Authorization") != f"Bearer {key}":
-                    return self._reply(401, {"error": "bad key"})
-                if self.path == "/load_lora_adapter":
-                    if payload["lora_name"] in fake.loaded:
-                        return self._reply(400, {"error": "already loaded"})
-                    fake.loaded[payload["lora_name"]] = payload["lora_path"]
-                    return self._reply(200, {"success": True})
-                if self.path == "/unload_lora_adapter":
-                    fake.loaded.pop(payload["lora_name"], None)
-                    return self._reply(200, {"success": True})
-                if self.path == "/v1/chat/completions":
-                    _, _, name = payload["model"].partition(":")
-                    if name and name not in fake.loaded:
-                        return self._reply(400, {"error": f"unknown adapter {name}"})
-                    prompt = payload["messages"][-1]["content"]
-                    text = {"": f"base: {prompt}", "tuned": f"{prompt} nya~"}.get(name, f"candidate: {prompt}")
-                    return self._reply(200, {
-                        "id": "x", "object": "chat.completion", "created": 0, "model": payload["model"],
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": text}}],
-                        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
-                return self._reply(404, {})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.root_url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+def _sglang_with_production() -> FakeSglang:
+    """SGLang serving production as "tuned": base, production and candidate answer differently (the
+    candidate never in the recipe's style)."""
+    fake = FakeSglang(answer=lambda adapter, prompt: {"": f"base: {prompt}", "tuned": f"{prompt} nya~"}.get(
+        adapter, f"candidate: {prompt}"))
+    fake.loaded["tuned"] = "/adapters/production"
+    return fake
 
 
 def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tmp_path: Path) -> None:
@@ -204,14 +161,14 @@ def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tm
     from ktflow.evaluate import Candidate, evaluate_candidate
     from ktflow.serve import Endpoint
 
-    key = "k" * 24
-    fake = _Sglang(key)
+    key = KEY
+    fake = _sglang_with_production()
     write_demo_dataset(tmp_path / "data")
     recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [
         "serving.dynamic_lora=true", "serving.served_model_name=kimi", f"dataset.files=[{tmp_path / 'data/train.jsonl'}]",
         "dataset.format=openai", f"evaluation.files=[{tmp_path / 'data/eval.jsonl'}]", "evaluation.format=openai",
         "evaluation.style={marker: 'nya~'}", "evaluation.gate_metric=style", "evaluation.gate_min_gain=50"])
-    production = Endpoint(url=f"{fake.root_url}/v1", backend="sglang", served_model_name="kimi",
+    production = Endpoint(url=f"{fake.url}/v1", backend="sglang", served_model_name="kimi",
                           adapter_model_name="kimi:tuned", pid=1, log_path=tmp_path / "log", adapter_dir=None,
                           adapter_manifest_digest=None, started_at="now")
     try:
@@ -234,12 +191,12 @@ def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tm
 def test_a_candidate_sglang_refuses_to_load_changes_nothing(tmp_path: Path) -> None:
     from ktflow.evaluate import EvaluationError, dynamic_adapter
 
-    key = "k" * 24
-    fake = _Sglang(key)
+    key = KEY
+    fake = _sglang_with_production()
     fake.loaded["tuned-candidate-v2"] = "squatter"
     try:
         with pytest.raises(EvaluationError, match=r"HTTP 400.*production is untouched"):
-            with dynamic_adapter(fake.root_url, key, "tuned-candidate-v2", tmp_path):
+            with dynamic_adapter(fake.url, key, "tuned-candidate-v2", tmp_path):
                 pass
     finally:
         fake.server.shutdown()

@@ -16,9 +16,12 @@ KEY = "k" * 24
 
 
 class FakeSglang:
-    """Loaded adapters by name; an adapter whose path contains 'broken' loads but can't answer."""
+    """Loaded adapters by name; an adapter whose path contains 'broken' loads but can't answer.
 
-    def __init__(self) -> None:
+    ``answer(adapter, prompt)`` is what a chat completion returns (``adapter`` is "" for the base
+    model, ``model="<served>"``); default "hello"."""
+
+    def __init__(self, answer=lambda adapter, prompt: "hello") -> None:
         self.loaded: dict[str, str] = {}
         self.calls: list[tuple[str, dict]] = []
         fake = self
@@ -49,13 +52,15 @@ class FakeSglang:
                     fake.loaded.pop(payload["lora_name"], None)
                     return self._reply(200, {"success": True})
                 if self.path == "/v1/chat/completions":
-                    name = payload["model"].split(":", 1)[1]
-                    if name not in fake.loaded or "broken" in fake.loaded[name]:
+                    _, _, name = payload["model"].partition(":")
+                    if name and (name not in fake.loaded or "broken" in fake.loaded[name]):
                         return self._reply(500, {"error": "adapter failed"})
+                    content = answer(name, payload["messages"][-1]["content"])
                     return self._reply(200, {
                         "id": "x", "object": "chat.completion", "created": 0, "model": payload["model"],
                         "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": "hello"}}],
+                                     "message": {"role": "assistant", "content": content}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
                     })
                 return self._reply(404, {})
 
