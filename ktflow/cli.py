@@ -149,6 +149,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         notes += [f"[red]{s.stage}: {p}[/]" for p in s.problems]
         if s.time_basis:
             notes.append(f"{s.stage} time: {s.time_basis}")
+        if s.candidate:
+            notes.append(f"{s.stage}: {s.candidate}")
     out.print(table)
     for note in notes:
         out.print(note)

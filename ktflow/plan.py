@@ -48,6 +48,7 @@ class StageEstimate(BaseModel):
     gpus: int = 0
     seconds: float | None = None
     time_basis: str = ""
+    candidate: str = ""  # evaluate: how a retrained adapter is judged here, and why
     fits: bool = True
     problems: list[str] = []
 
@@ -199,9 +200,11 @@ def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size
 
     sizes = ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size))
     choice = choose_candidate_mode(recipe, sizes, host, production_running=False)
-    line.reason += f"; candidate judged {choice.mode}: {choice.reason}"
-    if recipe.evaluation.candidate is None:
-        return None, None  # the choice already fits (swap costs nothing more)
+    line.candidate = f"candidate judged {choice.mode}: {choice.reason}"
+    line.reason += f"; {line.candidate}"
+    if recipe.evaluation.candidate is None:  # chosen to fit: shown, not checked again
+        line.ram_bytes, line.gpu_bytes = choice.ram_bytes, choice.gpu_bytes
+        return None, None
     needs = candidate_needs(recipe, sizes, choice.mode)
     return needs.ram, needs.gpu
 

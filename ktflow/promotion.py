@@ -117,8 +117,8 @@ def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_r
         if needs.ram is not None and needs.ram.bytes:
             ram = needs.ram
             if not production_running and production.ram is not None:
-                ram = RamNeed(bytes=ram.bytes + production.ram.bytes, what=f"a {mode} candidate beside production",
-                              why=f"{ram.why}, plus production's {production.ram.why}", of=ram.of)
+                ram = RamNeed(bytes=ram.bytes + production.ram.bytes, what=f"{ram.what} beside production",
+                              why=f"{ram.why}; production: {production.ram.why}", of=ram.of)
             problems.append(ram_shortfall("serve", ram, host))
         if needs.gpu is not None and needs.gpu.bytes:
             problems.append(gpu_shortfall("serve", needs.gpu, host))
@@ -135,14 +135,14 @@ def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_r
         return choice(explicit, "set by evaluation.candidate" + (f" (though {problem})" if problem else ""))
     beside = shortfall("beside")
     if beside is None:
-        return choice("beside", f"chosen: {costs['beside'].ram.why if costs['beside'].ram else 'free'} fits beside "
-                                "production, so the candidate takes no production traffic")
+        what = costs["beside"].ram.why if costs["beside"].ram else "a second adapter name on the server"
+        return choice("beside", f"{what} fits beside production: the candidate takes no production traffic")
     offline = shortfall("offline")
     if offline is None:
-        return choice("offline", f"chosen: no room beside production ({beside}); offline generation through the "
-                                 "training toolchain fits")
-    return choice("swap", f"chosen: no room beside production ({beside}) nor offline ({offline}); the candidate "
-                          "serves in production's place and a failed gate rolls production back")
+        return choice("offline", f"nothing fits beside production ({beside}); offline generation through the "
+                                 "training toolchain does")
+    return choice("swap", f"nothing fits beside production ({beside}), nor offline generation ({offline}): the "
+                          "candidate serves in production's place and a failed gate rolls production back")
 
 
 # --------------------------------------------------------------------------- moving production

@@ -104,11 +104,11 @@ def _sizes(parameters: int):
 @pytest.mark.parametrize(("recipe", "ram_gib", "running", "mode", "says"), [
     # LlamaFactory's CPU server: a second one costs the model in BF16 again (8 GiB here).
     ("tiny-demo", 12, True, "beside", "a second server: the model in BF16"),  # 8 more fit in 12 free
-    ("tiny-demo", 12, False, "swap", "plus production's the model in BF16"),  # planned: 8 + 8 do not fit in 12
+    ("tiny-demo", 12, False, "swap", "; production: the model in BF16"),  # planned: 8 + 8 do not fit in 12
     ("tiny-demo", 6, True, "swap", "the candidate serves in production's place"),
     # sglang-kt: never a second server; offline generation when the model fits in RAM in BF16.
     ("kimi-k2.5-rawint4", 64, True, "offline", "sglang-kt loads its adapter at startup"),
-    ("kimi-k2.5-rawint4", 6, True, "swap", "nor offline"),
+    ("kimi-k2.5-rawint4", 6, True, "swap", "nor offline generation"),
 ])
 def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recipe, ram_gib, running, mode,
                                                                              says) -> None:
@@ -137,7 +137,7 @@ def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> 
     host = _host(1536)
     plan = plan_recipe(recipe, host)
     [evaluate] = [s for s in plan.stages if s.stage == "evaluate"]
-    assert "candidate judged swap" in evaluate.reason and "no room beside production" in evaluate.reason
+    assert "candidate judged swap" in evaluate.reason and "nothing fits beside production" in evaluate.reason
     assert evaluate.fits
     dynamic = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.dynamic_lora=true"])
     [evaluate] = [s for s in plan_recipe(dynamic, host).stages if s.stage == "evaluate"]
