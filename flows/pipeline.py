@@ -44,7 +44,7 @@ from ktflow.store import read_manifest
 from ktflow.sft import check_hf_fits_gpus
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
-from tasks.promote import register_adapter_task
+from tasks.promote import emit_rejected, register_adapter_task
 from tasks.report import publish_run_report
 
 StageCall = Callable[..., Any]
@@ -108,8 +108,10 @@ def _judge_and_promote(recipe: Recipe, call: StageCall, table: _StageTable, trai
     else:
         table.record("evaluate", "-")
     if judgement is not None and not judgement.accepted:
-        table.record("serve", f"not promoted: {judgement.summary().split(': ', 1)[1]}")
+        table.record("serve", judgement.summary().split(": ", 1)[1],
+                     skipped=StageSkipped(stage="serve", reason="the candidate did not pass its gate"))
         _report(recipe, table, trained, judgement, endpoint=None, promotion=judgement.summary())
+        emit_rejected(recipe, judgement)  # here, not in the (cached) evaluate task: every rejected run says so
         raise PromotionGateError(judgement.rejection())
     why = judgement.summary() if judgement is not None else "promoted (the recipe does not evaluate)"
     endpoint = call("serve", recipe=recipe, model_dir=str(serve_model), adapter_dir=str(adapter),

@@ -549,8 +549,24 @@ def cmd_promote(args: argparse.Namespace) -> int:
     recipe = _load(args)
     moved = promote_version(recipe, _version_number(args.version), why="ktflow promote", log=_say,
                             **_production_weights(recipe))
+    _announce(recipe, moved, "ktflow promote")
     out.print(f"{recipe.name}: {moved.summary()} at {moved.endpoint.url}")
     return 0
+
+
+def _announce(recipe, moved, why: str) -> None:
+    """``ktflow.adapter.promoted`` on the Prefect server this shell points at (PREFECT_API_URL), so a
+    hand-made move reaches the same notifications as the pipeline's; nothing without a server."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not moved.moved or not PREFECT_API_URL.value():
+        return
+    from prefect.events.worker import EventsWorker
+
+    from tasks.promote import emit_moved
+
+    emit_moved(recipe, moved, why)
+    EventsWorker.drain_all()  # delivered before this process exits
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
@@ -559,6 +575,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
     recipe = _load(args)
     moved = rollback(recipe, log=_say, **_production_weights(recipe))
+    _announce(recipe, moved, "ktflow rollback")
     out.print(f"{recipe.name}: rolled back: {moved.summary()} at {moved.endpoint.url}")
     return 0
 

@@ -37,6 +37,7 @@ from ktflow.recipe import Recipe
 from ktflow.registry import (
     AdapterRegistry,
     AdapterVersion,
+    JUDGING_MOVE,
     CandidateMode,
     Lineage,
     PendingMove,
@@ -352,7 +353,7 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     registry = registry_of(recipe)
     before = registry.production().version
     moved = promote_version(recipe, version, model_dir=serve_model_dir, kt_weight_dir=kt_weight_dir,
-                            base_dir=model_dir, why="swap mode: serving the candidate to judge it", log=log)
+                            base_dir=model_dir, why=JUDGING_MOVE, log=log)
     started = _now()
     endpoint = moved.endpoint
     result = evaluate_base_vs_tuned(recipe, model_dir=model_dir, tuned_url=endpoint.url,

@@ -37,6 +37,7 @@ from ktflow.store import atomic_write_json, read_manifest
 REGISTRY_DIR = "registry"
 PRODUCTION_FILE = "production.json"
 PENDING_FILE = "pending-move.json"
+JUDGING_MOVE = "swap mode: serving the candidate to judge it"  # a move that does not make a version production
 
 # "deployment": a run of a deployment started from the Prefect UI or `prefect deployment run` (the OSS
 # server records no difference between the two).
@@ -258,18 +259,17 @@ class AdapterRegistry:
 
     def rollback_target(self) -> AdapterVersion:
         """The version a rollback returns to: the latest one production pointed at before the current
-        one, skipping any that failed its gate (a candidate judged in production's place, swap mode).
+        one, skipping a candidate that served only to be judged (swap mode; a version promoted by
+        hand counts, whatever its verdict).
 
         Raises:
             InvalidInputError: nothing else was ever promoted, so there is nothing to go back to.
         """
         current = self.production()
         for move in reversed(current.history):
-            if move.to_version is None or move.to_version == current.version:
+            if move.to_version is None or move.to_version == current.version or move.why == JUDGING_MOVE:
                 continue
-            version = self.get(move.to_version)
-            if version.verdict is None or version.verdict.status != "failed":
-                return version
+            return self.get(move.to_version)
         what = f"only v{current.version} was ever promoted" if current.version else "nothing was promoted yet"
         raise InvalidInputError(f"{self.recipe}", f"has no earlier production version to roll back to ({what})",
                                 "promote a version by number: `ktflow promote RECIPE VERSION`")

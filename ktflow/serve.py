@@ -274,6 +274,13 @@ def _train_python(recipe: Recipe) -> Path:
     return recipe.toolchains.train.require("toolchains.train.python", "LlamaFactory", "train-env")
 
 
+def _server_python(recipe: Recipe) -> Path:
+    """The python the recipe's server runs in (raises HostRequirementError when it is missing)."""
+    if recipe.serving.backend == "sglang":
+        return recipe.toolchains.serve.require("toolchains.serve.python", "sglang-kt and kt-kernel", "serve-env")
+    return _train_python(recipe)
+
+
 # --------------------------------------------------------------------------- rendering
 
 
@@ -707,7 +714,7 @@ def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None,
     serving = recipe.serving
     if port != serving.port:
         raise KtflowError("the sglang backend serves on serving.port only")
-    python = recipe.toolchains.serve.require("toolchains.serve.python", "sglang-kt and kt-kernel", "serve-env")
+    python = _server_python(recipe)
     assert adapter_dir is not None and kt_weight_dir is not None
     launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
                                   serve_python=python, host=host or probe_hardware(record_dir))
@@ -944,6 +951,7 @@ def swap_adapter(
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     good, good_previous = _last_good(current, record_dir)
     port = current.port or _recipe_port(recipe, log)
+    _server_python(recipe)  # a missing toolchain is refused while the old server still serves
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)

@@ -11,7 +11,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 
-from ktflow.promotion import register_adapter
+from ktflow.promotion import Judgement, MoveResult, register_adapter
 from ktflow.recipe import Recipe
 from ktflow.registry import AdapterVersion, Trigger
 
@@ -67,3 +67,18 @@ def emit_adapter_event(event: str, recipe: Recipe, version: int, payload: dict[s
     emit_event(event, resource={"prefect.resource.id": f"ktflow.adapter.{recipe.name}",
                                 "prefect.resource.name": recipe.name, "ktflow.version": str(version)},
                payload={"recipe": recipe.name, "version": version, **payload})
+
+
+def emit_rejected(recipe: Recipe, judgement: Judgement) -> None:
+    """``ktflow.adapter.rejected`` for a candidate that did not pass: what stays, the gate, the mode."""
+    result = judgement.evaluation
+    emit_adapter_event(REJECTED_EVENT, recipe, judgement.version, {
+        "production": judgement.production_version, "gate": result.gate_brief(), "mode": judgement.choice.mode,
+        "report": str(result.report_md), "served_window": list(judgement.window) if judgement.window else None})
+
+
+def emit_moved(recipe: Recipe, moved: MoveResult, why: str) -> None:
+    """``ktflow.adapter.promoted`` for a move of production (a promotion, a rollback)."""
+    if moved.moved:
+        emit_adapter_event(PROMOTED_EVENT, recipe, moved.version, {"replaces": moved.replaced, "why": why,
+                                                                   "url": moved.endpoint.url})

@@ -2,7 +2,7 @@
 ktflow.evaluate).
 
 evaluate judges a candidate version (beside production, offline, or by swap); serve promotes a
-version (a health-gated swap of production); each emits its ``ktflow.adapter.*`` event.
+version (a health-gated swap of production) and emits ``ktflow.adapter.promoted``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ktflow.promotion import serving_dir as serving_dir  # re-exported: where th
 from ktflow.recipe import Recipe
 from ktflow.serve import Endpoint, adapter_model_name, is_alive, read_endpoint, serve, stop
 from tasks._common import StageCachePolicy, retry_unless_invalid_input
-from tasks.promote import PROMOTED_EVENT, REJECTED_EVENT, emit_adapter_event
+from tasks.promote import emit_moved
 
 
 @task(name="serve", retries=1, retry_delay_seconds=10)
@@ -40,9 +40,7 @@ def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: 
                                 base_dir=Path(base_dir) if base_dir else None, why=why, log=log)
         endpoint = moved.endpoint
         logger.info("%s: %s", recipe.name, moved.summary())
-        if moved.moved:
-            emit_adapter_event(PROMOTED_EVENT, recipe, version, {"replaces": moved.replaced, "why": why,
-                                                                 "url": endpoint.url})
+        emit_moved(recipe, moved, why)
     create_link_artifact(key="endpoint", link=endpoint.url, link_text=f"{recipe.name} ({adapter_model_name(recipe)})",
                          description=f"pid {endpoint.pid}, log {endpoint.log_path}, adapter {endpoint.adapter_dir}"
                          + (f" (v{endpoint.adapter_version})" if endpoint.adapter_version else ""))
@@ -84,8 +82,8 @@ def evaluate_task(recipe: Recipe, model_dir: str, version: int, serve_model_dir:
                   kt_weight_dir: str | None = None) -> Judgement:
     """Judge candidate ``version``: base vs candidate vs production, through the OpenAI API or offline.
 
-    A rejected candidate is returned, not raised (the pipeline reports it, then fails the run) and
-    emits ``ktflow.adapter.rejected``.
+    A rejected candidate is returned, not raised: the pipeline reports it, emits
+    ``ktflow.adapter.rejected`` and fails the run.
     """
     logger = get_run_logger()
     judgement = judge_candidate(recipe, version, model_dir=Path(model_dir), serve_model_dir=Path(serve_model_dir),
@@ -97,8 +95,4 @@ def evaluate_task(recipe: Recipe, model_dir: str, version: int, serve_model_dir:
                              f"judged {judgement.choice.mode} ({judgement.choice.reason})\n\n{result.table}\n\n"
                              f"adapter applied: **{result.adapter_applied}**, promoted: **{result.promoted}**\n\n"
                              f"{result.contamination.summary()}")
-    if not judgement.accepted and not judgement.reused:
-        emit_adapter_event(REJECTED_EVENT, recipe, version, {
-            "production": judgement.production_version, "gate": result.gate_brief(), "mode": judgement.choice.mode,
-            "report": str(result.report_md), "served_window": list(judgement.window) if judgement.window else None})
     return judgement

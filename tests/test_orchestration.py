@@ -13,6 +13,7 @@ where the CPU has it, LlamaFactory's OpenAI server).
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import subprocess
@@ -152,6 +153,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     recipe["evaluation"]["files"] = [str(root / "data/eval.jsonl")]
     recipe["store"]["root"] = str(root / "store")
     recipe["serving"]["port"] = free_port()
+    # The ktflow CLI reads a recipe's relative paths from the recipe's folder (here: root), the
+    # workers from the checkout: absolute toolchains mean the same to both.
+    recipe["toolchains"] = {role: {"python": str(REPO / f".venv-{role}/bin/python")} for role in ("train", "serve")}
     recipe_file = root / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe))
     with prefect_cluster(root / "prefect") as cluster:
@@ -193,7 +197,12 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: b
     children = [setup.flow_run(row["flow_run"]) for row in where.values()]
     assert all(child["state_type"] == "COMPLETED" for child in children)
     summary = setup.summary(parent)
-    assert "steps" in summary["sft"] and summary["evaluate"] == "adapter applied: True, promoted: True, train/eval overlap: 0/8"
+    assert "steps" in summary["sft"], summary
+    # The candidate (v1, nothing in production yet) is judged before it serves; the row ends with its verdict.
+    prefix = "adapter applied: True, promoted: True, train/eval overlap: 0/8; "
+    assert summary["evaluate"].startswith(prefix), summary["evaluate"]
+    assert re.fullmatch(r"candidate v1: passed \(style \+\d+\.\d\d >= \+50\.00\)",
+                        summary["evaluate"].removeprefix(prefix)), summary["evaluate"]
     int8 = setup.summary_rows(parent)["quantize-int8"]
     if int8_kernels:
         assert int8["runs"] == "yes" and int8["result"].endswith("(T=2)"), int8
@@ -235,6 +244,137 @@ def test_publishing_an_unchanged_dataset_retrains_as_a_cache_hit_without_restart
     assert summary["dequantize"].endswith("(cached)") and summary["sft"].endswith("(cached)")
     after = setup.endpoint_record()
     assert (after["pid"], after["url"]) == (before["pid"], before["url"])  # not restarted
+
+
+def _regressing_dataset(setup: Setup) -> Path:
+    """The demo's training records with the style marker removed from every answer and the answers
+    shuffled between records: a dataset version whose adapter cannot pass the style gate."""
+    records = [json.loads(line) for line in (setup.root / "data/train.jsonl").read_text().splitlines()]
+    answers = [r["messages"][-1]["content"].replace(", nya~", "").replace("nya~", "") for r in records]
+    random.Random(27).shuffle(answers)
+    for record, answer in zip(records, answers, strict=True):
+        record["messages"][-1]["content"] = answer
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    assert "nya~" not in text
+    path = setup.root / "data/regressing.jsonl"
+    path.write_text(text)
+    return path
+
+
+def _probe_answers(setup: Setup, n: int = 3) -> list[str]:
+    """What the recipe's endpoint answers to the first ``n`` evaluation prompts, greedily."""
+    from openai import OpenAI
+
+    from ktflow.serve import api_key_for, read_endpoint
+
+    endpoint = read_endpoint(setup.root / "store/serving/tiny-demo")
+    assert endpoint is not None
+    prompts = [json.loads(line)["messages"][0]["content"]
+               for line in (setup.root / "data/eval.jsonl").read_text().splitlines()[:n]]
+    client = OpenAI(base_url=endpoint.url, api_key=api_key_for(endpoint), timeout=120, max_retries=0)
+    try:
+        return [client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": p}],
+                                               temperature=0, max_tokens=48).choices[0].message.content or ""
+                for p in prompts]
+    finally:
+        client.close()
+
+
+def _adapter_events(setup: Setup, names: set[str], timeout: float = 60) -> list[dict]:
+    """The server's ``ktflow.adapter.*`` events, once one of each of ``names`` arrived (oldest first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = setup.cluster.api("POST", "/events/filter", {"filter": {"event": {"prefix": ["ktflow.adapter."]},
+                                                                        "order": "ASC"}, "limit": 50})
+        events = found["events"]  # type: ignore[index]
+        if names <= {e["event"] for e in events} or time.monotonic() > deadline:
+            return events
+        time.sleep(1)
+
+
+def test_a_regressing_dataset_version_is_rejected_production_stays_and_promote_rollback_swap(setup: Setup) -> None:
+    """Issue #27: a published dataset version whose adapter fails the gate is judged beside
+    production and rejected; production keeps serving v1, untouched; promote and rollback move it."""
+    from ktflow.registry import AdapterRegistry
+
+    before = setup.endpoint_record()
+    assert before["adapter_version"] == 1, before
+    answers = _probe_answers(setup)
+    data = _regressing_dataset(setup)
+    setup.cluster.ktflow("dataset", "publish", str(data), "--recipe", str(setup.recipe_file), "--json")
+
+    deadline = time.monotonic() + 900
+    while True:
+        runs = [r for r in setup.flow_runs("ktflow-retrain") if r["parameters"].get("dataset_file") == str(data)]
+        if runs and runs[0]["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        assert time.monotonic() < deadline, f"the retrain on {data} did not end: {runs and runs[0]['state']}"
+        time.sleep(2)
+    [run] = runs
+    # It failed on the gate, saying what stays in production, in its state and its report.
+    message = run["state"]["message"]
+    assert run["state_type"] == "FAILED", run["state"]
+    assert "PromotionGateError" in message and "candidate v2: not promoted (" in message, message
+    assert "production stays v1" in message, message
+    [report] = setup.artifacts(run["id"], "pipeline-report")
+    lines = [line for line in report["data"].splitlines() if line.strip()]
+    assert lines[1].startswith("**candidate v2: not promoted (") and lines[1].endswith("; production stays v1**"), lines
+    assert "| production (v1) |" in report["data"], report["data"]  # the report compares with what serves
+    summary = setup.summary(run["id"])
+    assert "not promoted (" in summary["serve"] and "production stays v1" in summary["serve"], summary
+    assert "candidate v2: not promoted (" in summary["evaluate"], summary
+
+    # Production is untouched: the same process serves v1 and answers as it did.
+    after = setup.endpoint_record()
+    assert {k: after[k] for k in ("pid", "adapter_dir", "adapter_version")} == \
+        {k: before[k] for k in ("pid", "adapter_dir", "adapter_version")}
+    assert _probe_answers(setup) == answers
+    # Nothing of the candidate's (or the evaluation's base) server is left.
+    judged = setup.root / "store/eval/tiny-demo/v2"
+    for record_dir in (judged / "candidate-endpoint", judged / "base-endpoint"):
+        assert not (record_dir / "endpoint.json").exists(), record_dir
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if str(judged) in proc.cwd() or any(str(judged) in arg for arg in proc.cmdline()):
+                left.append(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert not left, left
+
+    # The registry: v2 is kept with its failed verdict and what started it; production stays v1.
+    listed = json.loads(setup.cluster.ktflow("adapters", str(setup.recipe_file), "--json").stdout)
+    assert listed["production"] == 1 and listed["serving"]["version"] == 1, listed
+    versions = {v["version"]: v for v in listed["versions"]}
+    assert set(versions) == {1, 2}, versions
+    assert versions[2]["verdict"]["status"] == "failed" and versions[2]["verdict"]["mode"] == "beside", versions[2]
+    assert versions[2]["lineage"]["trigger"]["kind"] == "dataset-event", versions[2]["lineage"]
+    assert versions[1]["verdict"]["status"] == "passed", versions[1]
+    # What users hang notifications on: v1's promotion (the first run) and v2's rejection.
+    events = _adapter_events(setup, {"ktflow.adapter.promoted", "ktflow.adapter.rejected"})
+    seen = [(e["event"], e["payload"].get("version")) for e in events]
+    assert ("ktflow.adapter.promoted", 1) in seen and ("ktflow.adapter.rejected", 2) in seen, seen
+    [rejected] = [e for e in events if e["event"] == "ktflow.adapter.rejected"]
+    assert rejected["resource"]["prefect.resource.id"] == "ktflow.adapter.tiny-demo", rejected
+    assert rejected["payload"]["production"] == 1 and rejected["payload"]["mode"] == "beside", rejected
+
+    # A person overrides the gate: v2 serves (a real swap: a new, health-gated server) ...
+    promoted = setup.cluster.ktflow("promote", str(setup.recipe_file), "2", timeout=600)
+    assert "promoted v2 (replaces v1)" in promoted.stdout, promoted.stdout + promoted.stderr
+    now = setup.endpoint_record()
+    registry = AdapterRegistry(setup.root / "store", "tiny-demo")
+    assert now["adapter_version"] == 2 and now["pid"] != before["pid"], now
+    assert now["adapter_dir"] == str(registry.get(2).adapter_dir) and now["state"] == "ready", now
+    # ... and a rollback brings v1 back, answering as before.
+    rolled = setup.cluster.ktflow("rollback", str(setup.recipe_file), timeout=600)
+    assert "promoted v1 (replaces v2)" in rolled.stdout, rolled.stdout + rolled.stderr
+    back = setup.endpoint_record()
+    assert back["adapter_version"] == 1 and back["adapter_dir"] == before["adapter_dir"], back
+    assert back["pid"] not in (before["pid"], now["pid"]) and back["state"] == "ready", back
+    assert registry.production().version == 1 and registry.pending() is None
+    assert _probe_answers(setup) == answers
 
 
 def test_a_bad_dataset_is_not_published(setup: Setup) -> None:

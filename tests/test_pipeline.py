@@ -197,6 +197,13 @@ def assert_promote_and_rollback(tmp_path: Path) -> None:
     assert endpoint_record(tmp_path)["adapter_version"] == 1
     bad = ktflow_cli(tmp_path, "promote", "recipes/tiny-demo.yaml", "9", check=False)
     assert bad.returncode == 2 and "no such adapter version (the recipe has: v1, v2, v3)" in bad.stderr
+    # A server toolchain that is gone is refused before production is stopped: v1 keeps serving.
+    serving = endpoint_record(tmp_path)
+    gone = ktflow_cli(tmp_path, "promote", "recipes/tiny-demo.yaml", "2", "--set",
+                      "toolchains.train.python=/nonexistent/python", check=False)
+    assert gone.returncode == 2 and "/nonexistent/python" in gone.stderr, gone.stderr[-2000:]
+    assert endpoint_record(tmp_path)["pid"] == serving["pid"] and psutil.pid_exists(serving["pid"])
+    assert not (tmp_path / ".ktflow/store/registry/tiny-demo/pending-move.json").exists()
 
     registry = tmp_path / ".ktflow/store/registry/tiny-demo"
     proc = subprocess.Popen([sys.executable, "-m", "ktflow.cli", "promote", "recipes/tiny-demo.yaml", "2"],

@@ -12,7 +12,7 @@ from test_sglang_swap import KEY, FakeSglang
 
 from ktflow.errors import InvalidInputError
 from ktflow.recipe import load_recipe
-from ktflow.registry import AdapterRegistry, Lineage, PendingMove, Trigger, Verdict
+from ktflow.registry import JUDGING_MOVE, AdapterRegistry, Lineage, PendingMove, Trigger, Verdict
 from ktflow.store import StageManifest, atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,8 +207,12 @@ def test_rollback_skips_a_candidate_that_served_only_to_be_judged_and_failed(tmp
     registry = AdapterRegistry(tmp_path / "store", "demo")
     for i in (1, 2, 3):
         registry.register(_adapter(tmp_path, f"a{i}", f"w{i}"), _lineage(tmp_path))
-    for version in (1, 2, 3):
+    for version in (1, 2):
         registry.finish_move(version, "promoted")
+    registry.finish_move(3, JUDGING_MOVE)  # swap mode: v3 serves to be judged
     registry.record_verdict(3, Verdict(status="failed", summary="style +0.00 < +50.00", mode="swap"))
     registry.finish_move(2, "swap mode: v3 failed its gate")  # v2 restored
     assert registry.rollback_target().version == 1  # not v3, which production pointed at in between
+    registry.finish_move(3, "ktflow promote")  # promoted by hand, failed verdict or not: it counts
+    registry.finish_move(2, "ktflow promote")
+    assert registry.rollback_target().version == 3
