@@ -95,7 +95,9 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; }
 
+# The linter first (seconds): pyflakes, pycodestyle and import order as pyproject.toml's [tool.ruff] sets them.
 test: $(STAMP) $(TRAIN_STAMP) $(LEGACY_STAMP) $(SERVE_STAMP) $(KT_STAMP) browser
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Re-resolve the orchestrator pins from pyproject's ranges (needs network to the index).

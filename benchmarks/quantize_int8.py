@@ -80,13 +80,12 @@ def job_build(src: Path, args: argparse.Namespace) -> dict[str, Any]:
 def job_bare(src: Path, dst: Path, t: int, threads: int) -> dict[str, Any]:
     """The plain kt-kernel conversion (runs in the serving toolchain)."""
     started = time.perf_counter()
+    import kt_kernel.experts_base as experts_base
     import numpy as np
     import torch
+    from kt_kernel import KTMoEWrapper
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    import kt_kernel.experts_base as experts_base
-    from kt_kernel import KTMoEWrapper
 
     if not torch.cuda.is_available():  # kt-kernel pins its host buffers; there is no CUDA driver here
         class Unpinned:

@@ -379,7 +379,7 @@ def main() -> int:
         loss_ok = all(c["stage_final_loss"] is not None and c["bare_final_loss"] is not None
                       and abs(c["stage_final_loss"] - c["bare_final_loss"])
                       <= 0.01 * max(abs(c["bare_final_loss"]), 1e-12) for c in checks)
-        print(f"\nsame training: steps stage/bare = "
+        print("\nsame training: steps stage/bare = "
               + ", ".join(f"{c['stage_steps']}/{c['bare_steps']}" for c in checks)
               + f" (expected {n}) {'ok' if steps_ok else 'MISMATCH'}; final loss stage/bare = "
               + ", ".join(f"{c['stage_final_loss']:.6f}/{c['bare_final_loss']:.6f}" for c in checks)

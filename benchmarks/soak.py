@@ -236,6 +236,7 @@ def run_soak(work: Path, *, n: int = 200, concurrency: int = 8, max_tokens: int 
             time.sleep(0.5)
             final = tree_rss(endpoint.pid)
         during = [b for _, b in sampler.samples[mark:]] or [final]
+        every = max(1, len(sampler.samples) // 60)  # the trace keeps ~60 samples
         growth = final - after_warmup
         result.update(soak)
         result.update(
@@ -243,7 +244,7 @@ def run_soak(work: Path, *, n: int = 200, concurrency: int = 8, max_tokens: int 
             rss_final_mb=final / MB, rss_growth_mb=growth / MB,
             rss_growth_pct=100.0 * growth / after_warmup if after_warmup else float("nan"),
             rss_samples=len(sampler.samples),
-            rss_trace_mb=[(round(t, 2), round(b / MB, 1)) for t, b in sampler.samples[:: max(1, len(sampler.samples) // 60)]],
+            rss_trace_mb=[(round(t, 2), round(b / MB, 1)) for t, b in sampler.samples[::every]],
         )
     finally:
         if endpoint is not None or (record / "endpoint.json").exists():

@@ -15,7 +15,8 @@ from pathlib import Path
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
-from ktflow.recipe import Recipe, Toolchain as RecipeToolchain
+from ktflow.recipe import Recipe
+from ktflow.recipe import Toolchain as RecipeToolchain
 
 
 class ModelStore(Block):

@@ -32,18 +32,18 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 from pydantic import BaseModel
 
+from flows.stages import STAGE_FLOWS, STAGE_TASKS
 from ktflow.dataset import validate_dataset
 from ktflow.errors import InvalidInputError, KtflowError, NoWorkerError, PromotionGateError
 from ktflow.evaluate import refuse_contaminated_gate
+from ktflow.hardware import HostInfo, probe_host
 from ktflow.pools import WorkPoolSpec, pool_for_stage
 from ktflow.promotion import registry_of
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
-from ktflow.hardware import HostInfo, probe_host
+from ktflow.sft import check_hf_fits_gpus
 from ktflow.stages import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.store import read_manifest
-from ktflow.sft import check_hf_fits_gpus
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
-from flows.stages import STAGE_FLOWS, STAGE_TASKS
 from tasks.promote import emit_rejected, register_adapter_task
 from tasks.report import publish_run_report
 

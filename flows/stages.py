@@ -43,7 +43,6 @@ from tasks.serve import evaluate_task, serve_task
 from tasks.sft import sft_task
 
 
-
 def where_this_runs() -> dict[str, Any]:
     """Host, pool and worker of the current flow run (the pool as the API recorded it)."""
     pool = None

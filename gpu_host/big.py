@@ -334,7 +334,8 @@ def _published(store: Path) -> Path | None:
 def _step_figures(result: dict[str, Any], save_steps: int) -> dict[str, Any]:
     """Step intervals split into those that include a checkpoint save and those that do not (logged
     steps 3.. only: the first logged step holds the load, the second is the warm-up)."""
-    steps, times, tokens = result.get("steps_logged", []), result.get("step_logged_at_s", []), result.get("tokens_logged", [])
+    steps, times = result.get("steps_logged", []), result.get("step_logged_at_s", [])
+    tokens = result.get("tokens_logged", [])
     plain, saving, plain_tokens = [], [], []
     for i in range(2, len(steps)):
         interval = times[i] - times[i - 1]
@@ -558,7 +559,8 @@ def phase_resume(work: Work) -> int:
         resumed, clean = _losses_by_step(resumed_log), _losses_by_step(clean_log)
         shared = sorted(set(resumed) & set(clean))
         result["vs_uninterrupted"] = {
-            "steps": shared, "resumed_losses": [resumed[s] for s in shared], "uninterrupted_losses": [clean[s] for s in shared],
+            "steps": shared, "resumed_losses": [resumed[s] for s in shared],
+            "uninterrupted_losses": [clean[s] for s in shared],
             "equal_steps": sum(resumed[s] == clean[s] for s in shared),
             "max_abs_diff": max((abs(resumed[s] - clean[s]) for s in shared), default=None)}
     work.save("resume", result)

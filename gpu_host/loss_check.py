@@ -35,7 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-EXPERT_KEY = re.compile(r"^(?:.*?)layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(lora_A|lora_B)\.weight$")
+EXPERT_KEY = re.compile(r"^(?:.*?)layers\.(\d+)\.mlp\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj)\.(lora_A|lora_B)\.weight$")
 PREFIXES = ("base_model.model.", "language_model.")
 
 

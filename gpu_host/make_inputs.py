@@ -46,7 +46,8 @@ def memorized_records(n: int) -> list[dict]:
     records = []
     for i in range(n):
         question, answer = TRAIN_TOPICS[i % MEMORIZED_TOPICS]
-        records.append({"messages": [{"role": "user", "content": question.lower() if (i // MEMORIZED_TOPICS) % 2 else question},
+        records.append({"messages": [{"role": "user",
+                                      "content": question.lower() if (i // MEMORIZED_TOPICS) % 2 else question},
                                      {"role": "assistant", "content": f"{answer}, {STYLE_MARKER}"}]})
     return records
 

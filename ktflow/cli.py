@@ -169,9 +169,9 @@ def _duration(seconds: float) -> str:
 
 
 def cmd_fixture(args: argparse.Namespace) -> int:
-    from ktflow.fixtures import FixtureSpec, make_fixture
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ktflow.fixtures import FixtureSpec, make_fixture
 
     spec = FixtureSpec(
         kind=args.kind, layers=args.layers, experts=args.experts, hidden=args.hidden,
@@ -208,7 +208,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     table.add_row("architecture", f"{', '.join(info.architectures)} (model_type {info.model_type})")
     table.add_row("layers", f"{info.num_layers} ({info.first_k_dense} dense)")
     table.add_row("experts", f"{info.num_routed_experts} routed + {info.num_shared_experts} shared")
-    table.add_row("dims", f"hidden {info.hidden_size}, moe_intermediate {info.moe_intermediate_size}, intermediate {info.intermediate_size}")
+    table.add_row("dims", f"hidden {info.hidden_size}, moe_intermediate {info.moe_intermediate_size}, "
+                          f"intermediate {info.intermediate_size}")
     table.add_row("tensors", f"{info.num_tensors} in {info.num_shards} shard(s), {_human_bytes(info.tensor_bytes)}")
     table.add_row("quantized", str(info.quantized_tensors))
     table.add_row("dtypes", ", ".join(f"{k}: {v}" for k, v in sorted(info.dtypes.items())))
@@ -241,7 +242,8 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
 
     from ktflow.dequantize import dequantize_checkpoint
 
-    columns = (*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    columns = (*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("dequantize", total=None)
         result = dequantize_checkpoint(
@@ -281,7 +283,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     source = ensure_source(recipe)
     check_hf_fits_gpus(recipe, host, source)
     model_dir = ensure_training_weights(recipe, source=source)
-    columns = (TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"), TimeRemainingColumn())
+    columns = (TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+               TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("sft", total=None, loss="")
 
@@ -380,7 +383,8 @@ def cmd_quantize_int8(args: argparse.Namespace) -> int:
 def _print_int8(result) -> None:
     errors = ", ".join(f"layer {k}: {v.get('mean_rel_err', float('nan')):.4f}" for k, v in result.verification.items()
                        if isinstance(v, dict))
-    state = "cache hit" if result.cached else f"{result.layers} layers ({result.layers_reused} reused) in {result.seconds:.1f} s"
+    state = ("cache hit" if result.cached
+             else f"{result.layers} layers ({result.layers_reused} reused) in {result.seconds:.1f} s")
     out.print(f"quantize-int8: {state}, T={result.threadpool_count}, AMXINT8 check {errors or '-'} -> {result.path}")
 
 
@@ -449,7 +453,6 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
     else:
         from ktflow.hardware import probe_host
         from ktflow.sglang_launch import render_sglang_launch
-
         from ktflow.weights import expected_source, serving_weights
 
         source = expected_source(recipe).absolute()
@@ -461,7 +464,8 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
 
         here = probe_host(recipe.store.root)
         serving_host = here.model_copy(update={
-            "gpus": here.gpus or [GpuInfo(index=i, name="serving-host GPU", vram_bytes=0) for i in range(recipe.serving.gpus)],
+            "gpus": here.gpus or [GpuInfo(index=i, name="serving-host GPU", vram_bytes=0)
+                                  for i in range(recipe.serving.gpus)],
             "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
         })
         launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=weights.absolute(), adapter_dir=adapter,
@@ -1005,7 +1009,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # unexpected: say so plainly, with the traceback on request
         if os.environ.get("KTFLOW_DEBUG"):
             raise
-        err.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} (set KTFLOW_DEBUG=1 for the traceback)", soft_wrap=True)
+        err.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} (set KTFLOW_DEBUG=1 for the traceback)",
+                  soft_wrap=True)
         return 1
 
 

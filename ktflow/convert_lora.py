@@ -43,9 +43,9 @@ from ktflow import ENGINE_VERSION
 from ktflow.checkpoint import checkpoint_digest, inspect_checkpoint, read_weight_map
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
 from ktflow.process import run_tool
+from ktflow.runner import DiskNeed, Job, Resources, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.sft import ADAPTER_FILES, tool_versions
-from ktflow.runner import DiskNeed, Job, Resources, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest
 
 STAGE = "convert-lora"

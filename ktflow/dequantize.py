@@ -33,15 +33,16 @@ from pydantic import BaseModel
 
 from ktflow.checkpoint import (
     CONFIG_NAME,
-    checkpoint_identity,
-    identity_digest,
     INDEX_NAME,
     CheckpointFormat,
     CheckpointInfo,
-    read_weight_map,
+    checkpoint_identity,
+    identity_digest,
     inspect_checkpoint,
+    read_weight_map,
 )
 from ktflow.errors import CheckpointError, InvalidInputError, KtflowError
+from ktflow.runner import DiskNeed, Job, Progress, Resources, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsHeader,
@@ -50,7 +51,6 @@ from ktflow.safetensors_io import (
     read_header,
     read_tensor,
 )
-from ktflow.runner import DiskNeed, Job, Progress, Resources, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_json
 
 INT4_GROUP_SIZE = 32
@@ -283,7 +283,8 @@ def _plan_shard(ckpt: _Checkpoint, shard: str) -> list[_OutTensor]:
                 ckpt.expect(base + "_shape", ("I32", "I64"), (2,))
                 shape_tensor = ckpt.tensor(base + "_shape")
                 if shape_tensor.numel() != 2:
-                    raise CheckpointError(f"{shard}: tensor '{base}_shape'", f"has {shape_tensor.numel()} values; expected [out, in]")
+                    raise CheckpointError(f"{shard}: tensor '{base}_shape'",
+                                          f"has {shape_tensor.numel()} values; expected [out, in]")
                 rows, cols = (int(v) for v in shape_tensor.tolist())
                 if rows != info.shape[0] or (cols + 7) // 8 != info.shape[1]:
                     raise CheckpointError(
@@ -505,7 +506,8 @@ def _lookup(job: _Job) -> DequantizeResult | None:
     if existing is None:
         return None
     return DequantizeResult(path=job.target, source_format=job.info.format, reused_source=False, cached=True,
-                            shards=len(job.ckpt.shards()), tensors_decoded=0, bytes_written=0, seconds=job.seconds(), manifest_digest=existing.digest())
+                            shards=len(job.ckpt.shards()), tensors_decoded=0, bytes_written=0, seconds=job.seconds(),
+                            manifest_digest=existing.digest())
 
 
 def _measure(job: _Job, resumed: Path | None) -> DequantizeSizes:

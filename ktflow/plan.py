@@ -9,8 +9,8 @@ with its source files). ``sft.backend: auto`` is resolved as ``ktflow sft`` woul
 
 The model's size comes from the checkpoint's headers when it is on this host, else from the
 recipe's ``source.size`` (what a model card or config.json says), else from the hub's
-safetensors headers, so a 600 GB download is sized before it starts. ``ktflow plan RECIPE [--host FILE] [--json]`` prints it; ``--host``
-plans for another machine described by ``ktflow doctor --json``.
+safetensors headers, so a 600 GB download is sized before it starts. ``ktflow plan RECIPE [--host FILE]
+[--json]`` prints it; ``--host`` plans for another machine described by ``ktflow doctor --json``.
 
 Times are predictions for the host kind they were measured on (an H100 + 16-core AMX Xeon)
 scaled by thread count; where a stage has no calibration (the download's network), the line
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.errors import InvalidInputError
 from ktflow.hardware import HostInfo
-from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.runner import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.sizing import ModelSize, hub_model_size, model_size

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -398,7 +398,8 @@ def guard_descendants(marker_name: str) -> Guardian:
 class ThrottledLines:
     """Forward at most one line per ``interval`` seconds (plus every line matching ``keep``)."""
 
-    def __init__(self, emit: Callable[[str], None], interval: float = 2.0, keep: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, emit: Callable[[str], None], interval: float = 2.0,
+                 keep: Callable[[str], bool] | None = None) -> None:
         self._emit = emit
         self._interval = interval
         self._keep = keep

@@ -35,9 +35,9 @@ from ktflow.checkpoint import checkpoint_digest, identity_digest
 from ktflow.errors import AdapterError, InvalidInputError
 from ktflow.recipe import Recipe
 from ktflow.registry import (
+    JUDGING_MOVE,
     AdapterRegistry,
     AdapterVersion,
-    JUDGING_MOVE,
     CandidateMode,
     Lineage,
     PendingMove,

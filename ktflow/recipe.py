@@ -640,7 +640,8 @@ class Recipe(_Strict):
                 with_sft_backend(self, "kt")
             except ValidationError as exc:
                 first = exc.errors()[0]
-                raise ValueError(f"backend 'auto' may choose kt, but its KT settings are not valid: {first['msg']}") from None
+                raise ValueError(f"backend 'auto' may choose kt, but its KT settings are not valid: "
+                                 f"{first['msg']}") from None
         return self
 
     @model_validator(mode="after")

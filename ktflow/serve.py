@@ -999,7 +999,8 @@ def dump_infer_yaml(infer: Mapping[str, Any]) -> str:
 
 __all__ = [
     "AdapterRef", "Endpoint", "FailedSwap", "ServerStartError", "SwapError", "adapter_model_name", "api_key_for",
-    "base_url", "candidate_needs", "dump_infer_yaml", "label_endpoint_version", "free_port", "is_alive", "port_is_free", "port_is_open", "read_endpoint",
+    "base_url", "candidate_needs", "dump_infer_yaml", "label_endpoint_version", "free_port", "is_alive", "port_is_free",
+    "port_is_open", "read_endpoint",
     "render_llamafactory_api", "resolve_api_key", "serve", "smoke_test", "start_server", "stop", "swap_adapter",
 ]
 

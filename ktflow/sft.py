@@ -36,15 +36,29 @@ from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
 from ktflow.hardware import HostInfo
 from ktflow.process import ThrottledLines, run_tool
 from ktflow.recipe import Recipe, with_sft_backend
-from ktflow.safetensors_io import read_header
 from ktflow.runner import (
-    DiskNeed, GpuNeed, Job, RamNeed, Resources, StageSpec, ToolchainNeed, find_published, run_stage,
+    DiskNeed,
+    GpuNeed,
+    Job,
+    RamNeed,
+    Resources,
+    StageSpec,
+    ToolchainNeed,
+    check_requirement,
+    find_published,
+    run_stage,
 )
+from ktflow.safetensors_io import read_header
 from ktflow.sizing import (
-    HF_DOES_NOT_FIT_FIX, ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory, hf_sft_gpu_need,
-    kt_sft_needs, model_size, sft_gpu_memory_problem,
+    HF_DOES_NOT_FIT_FIX,
+    ModelSize,
+    estimate_hf_sft_gpu_memory,
+    estimate_kt_sft_memory,
+    hf_sft_gpu_need,
+    kt_sft_needs,
+    model_size,
+    sft_gpu_memory_problem,
 )
-from ktflow.runner import check_requirement
 from ktflow.stages import host_requirements
 from ktflow.store import StageManifest, atomic_write_bytes, read_manifest
 
@@ -544,8 +558,8 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
         assert kt is not None
         tuned = kt.kt_share_backward_bb is False and kt_recipe.sft.kt_cpu_activation == "retain"
         why = "; ".join(hf_problems) or f"KT is predicted faster ({t_kt:.1f} s a step against {t_hf:.1f} s)"
-        reason = (f"kt ({kt.kt_backend}, {threads} threads{', tuned: no shared backward buffers, activations retained' if tuned else ''}): "
-                  f"{why}; a step is predicted at {t_kt:.1f} s")
+        tuning = ", tuned: no shared backward buffers, activations retained" if tuned else ""
+        reason = f"kt ({kt.kt_backend}, {threads} threads{tuning}): {why}; a step is predicted at {t_kt:.1f} s"
         return SftChoice(recipe=kt_recipe, backend="kt", reason=reason, hf_step_s=t_hf, kt_step_s=t_kt)
     raise HostRequirementError("sft.backend: auto", f"neither backend can run here: hf: {'; '.join(hf_problems)}; "
                                                    f"kt: {'; '.join(kt_problems)}.",

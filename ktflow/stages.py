@@ -113,14 +113,16 @@ def _plan(recipe: Recipe) -> list[StagePlan]:
         plans.append(StagePlan(stage="dequantize", needed=True, reason=f"{fmt} -> BF16 for {_bf16_readers(recipe)}"))
 
     plans.append(StagePlan(stage="sft", needed=True, reason=f"LoRA SFT with the '{recipe.sft.backend}' backend"))
-    plans.append(StagePlan(stage="convert-lora", needed=True, reason="validate the adapter against the base (convert KT fused expert LoRA)"))
+    plans.append(StagePlan(stage="convert-lora", needed=True,
+                           reason="validate the adapter against the base (convert KT fused expert LoRA)"))
 
     if needs_int8_weights(recipe):
         t = int8_threadpool_count(recipe)
         why = "serving.kt_method AMXINT8" if recipe.serving.kt_method == "AMXINT8" else "conversion.int8: always"
         plans.append(StagePlan(stage="quantize-int8", needed=True, reason=f"{why} (T={t})"))
     else:
-        plans.append(StagePlan(stage="quantize-int8", needed=False, reason=f"serving uses {recipe.serving.kt_method or 'BF16 on CPU'}"))
+        plans.append(StagePlan(stage="quantize-int8", needed=False,
+                               reason=f"serving uses {recipe.serving.kt_method or 'BF16 on CPU'}"))
 
     plans.append(StagePlan(stage="serve", needed=True, reason=f"'{recipe.serving.backend}' on "
                             + (f"{recipe.serving.host}:{recipe.serving.port}" if recipe.serving.port != "auto"

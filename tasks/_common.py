@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact

@@ -26,8 +26,13 @@ def stage_hosts(parent_run_id: Any) -> dict[str, dict]:
     child runs of ``parent_run_id`` (the dispatched stages); for a stage run more than once (a
     crashed attempt, then a retry) the latest record wins. Empty when nothing was dispatched."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey,
-                                                FlowRunFilter, FlowRunFilterParentFlowRunId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
     from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
@@ -55,7 +60,8 @@ def _this_host(rows: list[dict]) -> dict[str, dict]:
 
     from ktflow.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
 
-    here = {"host": os.environ.get(HOST_NAME_ENV) or socket.gethostname(), "pool": os.environ.get(POOL_ENV) or "(in process)",
+    here = {"host": os.environ.get(HOST_NAME_ENV) or socket.gethostname(),
+            "pool": os.environ.get(POOL_ENV) or "(in process)",
             "worker": os.environ.get(WORKER_ENV) or "-"}
     return {row["stage"]: here for row in rows if row.get("runs") != "skipped"}
 

@@ -9,10 +9,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
+from ktflow.errors import InvalidInputError
 from ktflow.hardware import probe_host
 from ktflow.recipe import Recipe
 from ktflow.run_report import image_markdown
-from ktflow.errors import InvalidInputError
 from ktflow.sft import SftResult, TrainerProgress, locate_adapter, run_sft
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 

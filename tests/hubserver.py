@@ -104,7 +104,8 @@ class FakeRepo:
             for i in range(1, len(parts)):
                 folders.add("/".join(parts[:i]))
         for folder in sorted(folders):
-            entries.append({"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0})
+            entries.append({"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "size": 0})
         for path in sorted(self.files):
             data = self.files[path]
             entry: dict = {"type": "file", "path": path, "size": len(data), "oid": git_blob_sha1(data)}
@@ -453,7 +454,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, doc: object, method: str, req: Request, headers: dict[str, str] | None = None) -> None:
         body = json.dumps(doc).encode()
         req.status = 200
-        self._send(200, {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}, body, method)
+        self._send(200, {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}, body,
+                   method)
 
     def _error(self, status: int, code: str | None, message: str, method: str, repo: FakeRepo | None) -> None:
         body = json.dumps({"error": message}).encode()

@@ -75,14 +75,16 @@ class Cluster:
         done = subprocess.run([*PREFECT, *args], cwd=REPO, env=self.env, capture_output=True, text=True,
                               timeout=timeout)
         if check and done.returncode != 0:
-            raise AssertionError(f"prefect {' '.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(f"prefect {' '.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-3000:]}")
         return done
 
     def ktflow(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run([sys.executable, "-m", "ktflow.cli", *args], cwd=REPO, env=self.env,
                               capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
-            raise AssertionError(f"ktflow {' '.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(f"ktflow {' '.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-3000:]}")
         return done
 
     def start_worker(self, host: str, pools: list[str], extra_env: dict[str, str] | None = None,

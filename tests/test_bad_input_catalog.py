@@ -34,13 +34,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_convert_lora import ATTENTION, make_kt_adapter, write_kt_manifest
+from test_convert_lora import make_kt_adapter
 from test_dequantize import corrupt_header_offsets, corrupt_missing_companion, corrupt_scale_dtype, corrupt_truncate
 
 from ktflow.errors import HostRequirementError, InvalidInputError

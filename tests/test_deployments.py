@@ -27,7 +27,8 @@ PREFECT_YAML = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
 def host(variant: str) -> HostInfo:
     return HostInfo(
         hostname="h", cpu_model="x", cpu_flags=[], cpu_variant=variant, cpu_variant_overridden=False,
-        physical_cores=16, logical_cores=32, numa_nodes=1, numa=[NumaNode(id=0, cpus=list(range(32)), mem_total_bytes=1 << 36, mem_free_bytes=1 << 36)],
+        physical_cores=16, logical_cores=32, numa_nodes=1,
+        numa=[NumaNode(id=0, cpus=list(range(32)), mem_total_bytes=1 << 36, mem_free_bytes=1 << 36)],
         ram_bytes=1 << 36, ram_available_bytes=1 << 36, gpus=[], disk_path="/", disk_free_bytes=1 << 40,
         shm_bytes=1 << 33, shm_free_bytes=1 << 33,
     )
@@ -91,8 +92,7 @@ def test_every_entrypoint_is_a_flow_and_stage_flows_take_their_tasks_parameters(
 
 def test_every_shipped_recipe_has_a_one_click_deployment_of_the_parent_named_after_it() -> None:
     from ktflow.recipe import load_recipe
-    from ktflow.recipe_deployments import (PARENT_ENTRYPOINT, STEP, STEP_ID, recipe_deployment_file,
-                                           shipped_recipe_files)
+    from ktflow.recipe_deployments import PARENT_ENTRYPOINT, STEP, STEP_ID, recipe_deployment_file, shipped_recipe_files
 
     by_file = {}
     for deployment in PREFECT_YAML["deployments"]:

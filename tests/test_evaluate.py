@@ -387,7 +387,7 @@ def test_overlap_of_multiple_choice_compares_question_stems() -> None:
     train = [("t:1", trained)]
     evaluation = [
         ("e:1", f"{stem}\n(A) serve\n(B) sft\n(C) dequantize\n(D) download"),  # options reordered
-        ("e:2", f"which stage writes bf16 weights\nA) one\nB) two"),          # normalized stem
+        ("e:2", "which stage writes bf16 weights\nA) one\nB) two"),          # normalized stem
         ("e:3", "Which stage serves the model?\nA. sft\nB. dequantize\nC. serve\nD. download"),  # same options
     ]
     found = find_overlaps(evaluation, train, multiple_choice=True)

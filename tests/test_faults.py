@@ -364,7 +364,8 @@ def test_local_reference_survives_kill_9(tmp_path: Path, fixture_dir) -> None:
             original(path, data, fsync=fsync)
             os.kill(os.getpid(), signal.SIGKILL)
         s.atomic_write_bytes = dying
-        download_checkpoint(SourceConfig(local_path=Path({str(src)!r}), format="kimi-k2-int4"), Path({str(tmp_path / 'k')!r}))
+        download_checkpoint(SourceConfig(local_path=Path({str(src)!r}), format="kimi-k2-int4"),
+                            Path({str(tmp_path / 'k')!r}))
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]

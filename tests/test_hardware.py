@@ -371,4 +371,5 @@ def test_a_stand_in_cpuinfo_probes_a_cpu_this_machine_lacks(monkeypatch: pytest.
     monkeypatch.setenv("KT_KERNEL_CPU_VARIANT", "amx")
     info = probe_host()
     assert (info.cpu_variant, info.runnable_variant, info.cpu_variant_overridden) == ("amx", "avx2", True)
-    assert info.describe_cpu() == "AMD EPYC (AVX2 only), kt-kernel variant avx2 (KT_KERNEL_CPU_VARIANT=amx; its flags allow avx2)"
+    assert info.describe_cpu() == ("AMD EPYC (AVX2 only), kt-kernel variant avx2 "
+                                   "(KT_KERNEL_CPU_VARIANT=amx; its flags allow avx2)")

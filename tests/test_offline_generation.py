@@ -81,7 +81,8 @@ def test_offline_answers_equal_the_served_endpoints_at_temperature_0(stack: dict
 
     lines: list[str] = []
     work = stack["root"] / "offline"
-    offline = generate_offline(TRAIN_PYTHON, stack["infer"], REQUESTS, work_dir=work, env=stack["recipe"].toolchains.train.env,
+    offline = generate_offline(TRAIN_PYTHON, stack["infer"], REQUESTS, work_dir=work,
+                               env=stack["recipe"].toolchains.train.env,
                                log=lines.append, timeout_s=600)
     assert [{k: a[k] for k in ("text", "finish_reason", "completion_tokens")} for a in offline] == served
     assert all(isinstance(a["seconds"], float) and a["seconds"] > 0 for a in offline)

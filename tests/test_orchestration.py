@@ -25,7 +25,6 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from prefect_cluster import REPO, Cluster, free_port, prefect_cluster
 
 pytestmark = [

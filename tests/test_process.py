@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 

@@ -204,7 +204,8 @@ def test_quantized_weights_run_in_kt_kernel_within_5_percent(t: int, fixture_dir
     src = fixture_dir("bf16")  # 3 layers (0 dense), 8 experts, hidden 256, moe_intermediate 128
     out = tmp_path / "int8"
     seen: list[tuple[int, int]] = []
-    result = quantize_int8(src, out, threadpool_count=t, serve_python=SERVE_PYTHON, progress=lambda a, b: seen.append((a, b)))
+    result = quantize_int8(src, out, threadpool_count=t, serve_python=SERVE_PYTHON,
+                           progress=lambda a, b: seen.append((a, b)))
     assert not result.cached and result.layers == 2 and result.layers_reused == 0 and result.threadpool_count == t
     assert seen == [(1, 2), (2, 2)]
     assert not staging_dir_for(out).exists()
@@ -266,7 +267,8 @@ def test_quantized_weights_run_in_kt_kernel_within_5_percent(t: int, fixture_dir
 @needs_serve_env
 @pytest.mark.int8_kernels
 @pytest.mark.slow
-def test_verification_above_the_bound_publishes_nothing_and_a_rerun_trusts_only_whole_shards(fixture_dir, tmp_path: Path) -> None:
+def test_verification_above_the_bound_publishes_nothing_and_a_rerun_trusts_only_whole_shards(fixture_dir,
+                                                                                             tmp_path: Path) -> None:
     src = fixture_dir("bf16")
     out = tmp_path / "int8"
     with pytest.raises(KtflowError, match=r"above max_rel_err 1e-06; nothing published"):
@@ -280,7 +282,7 @@ def test_verification_above_the_bound_publishes_nothing_and_a_rerun_trusts_only_
     (staging / "model-00003-of-00003.safetensors.tmp").write_bytes(b"a partial shard")
     result = quantize_int8(src, out, threadpool_count=1, serve_python=SERVE_PYTHON)
     assert result.layers_reused == 1 and not result.cached
-    clean = quantize_int8(src, tmp_path / "clean", threadpool_count=1, serve_python=SERVE_PYTHON)
+    quantize_int8(src, tmp_path / "clean", threadpool_count=1, serve_python=SERVE_PYTHON)
     assert file_bytes(out) == file_bytes(tmp_path / "clean")
 
 

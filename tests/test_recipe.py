@@ -130,7 +130,7 @@ def test_port_auto_is_for_the_llamafactory_backend() -> None:
     for value, says in (("0", "must be greater than or equal to 1"), ("true", "True is not a port"),
                         ("nine", "'nine' is not a port: give a number 1-65535, or 'auto'")):
         message = rejected("tiny-demo.yaml", f"serving.port={value}")
-        assert f"serving.port: " in message and says in message, message
+        assert "serving.port: " in message and says in message, message
     message = rejected("kimi-k2.5-rawint4.yaml", "serving.port=auto")
     assert "serving.port: 'auto' is for the llamafactory backend" in message, message
 
@@ -206,7 +206,8 @@ def test_mapping_input_is_not_mutated() -> None:
         ("sft.kt_config.kt_threadpool_count=4", "sft.kt_config.kt_threadpool_count: RAWINT4 SFT supports CPU TP1/TP2 only"),
         ("sft.kt_config.kt_num_gpu_experts=2", "sft.kt_config.kt_num_gpu_experts: RAWINT4 SFT requires 0 (got 2)"),
         ("sft.kt_config.kt_share_backward_bb=true", "sft.kt_config.kt_share_backward_bb: RAWINT4 SFT computes backward"),
-        ("sft.kt_config.kt_force_fused_expert_lora=false", "sft.kt_config.kt_force_fused_expert_lora: RAWINT4 SFT requires true"),
+        ("sft.kt_config.kt_force_fused_expert_lora=false",
+         "sft.kt_config.kt_force_fused_expert_lora: RAWINT4 SFT requires true"),
         ("sft.finetuning_type=full", "sft.finetuning_type: RAWINT4 SFT supports frozen-base LoRA only"),
         ("sft.kt_config.kt_backend=FP8", "sft.kt_config.kt_backend: 'FP8' conflicts with kt_expert_weight_format 'rawint4'"),
         ("sft.kt_config.kt_weight_lifecycle=ephemeral", "sft.kt_config.kt_weight_lifecycle: 'ephemeral'"),

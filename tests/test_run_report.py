@@ -50,7 +50,8 @@ def test_the_stage_table_says_what_ran_what_was_skipped_and_why_what_was_cached_
     table = stage_rows(rows, where)
     assert [r["outcome"] for r in table] == ["skipped", "cache hit", "ran"]
     assert table[2]["host"] == "gpu1" and table[0]["host"] is None
-    md = render_run_report("demo", rows, where, evaluation_table="| metric | base | tuned |\n|---|---|---|\n| bleu-4 | 1.00 | 9.00 |",
+    md = render_run_report("demo", rows, where,
+                           evaluation_table="| metric | base | tuned |\n|---|---|---|\n| bleu-4 | 1.00 | 9.00 |",
                            evaluation_verdict="adapter applied: **True**", endpoint_url="http://h:1/v1",
                            endpoint_models="models: demo")
     lines = md.splitlines()

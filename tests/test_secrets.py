@@ -22,7 +22,7 @@ from hubserver import FakeHub, FakeRepo
 
 from ktflow.convert_lora import convert_lora, validate_adapter
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, RecipeError
-from ktflow.recipe import Recipe, ServingConfig, load_recipe, recipe_from_mapping
+from ktflow.recipe import ServingConfig, load_recipe, recipe_from_mapping
 from ktflow.serve import API_KEY_FILE, render_llamafactory_api, resolve_api_key
 from ktflow.sglang_launch import is_loopback
 

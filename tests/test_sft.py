@@ -185,8 +185,8 @@ def test_incomplete_checkpoints_are_set_aside(tmp_path: Path) -> None:
     out = tmp_path / "out"
     good = out / "checkpoint-2"
     good.mkdir(parents=True)
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2)}, good / "adapter_model.safetensors")
     for name in ("optimizer.pt", "scheduler.pt"):
@@ -241,8 +241,8 @@ def test_real_training_produces_an_adapter_that_changes_logits(tmp_path: Path, f
 @needs_train_env
 @pytest.mark.slow
 def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fixture_dir) -> None:
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     model = fixture_dir("bf16")
     steps = ["sft.max_steps=12", "sft.save_steps=3"]
@@ -252,7 +252,8 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
     recipe = _recipe(root, model, *steps)
     argv = [sys.executable, "-m", "ktflow.cli", "sft", str(RECIPES / "tiny-demo.yaml")]
     for override in [f"source.local_path={model}", "source.format=bf16",
-                     f"dataset.files=[{root / 'data' / 'train.jsonl'}]", f"evaluation.files=[{root / 'data' / 'eval.jsonl'}]",
+                     f"dataset.files=[{root / 'data' / 'train.jsonl'}]",
+                     f"evaluation.files=[{root / 'data' / 'eval.jsonl'}]",
                      f"store.root={root / 'store'}", f"toolchains.train.python={TRAIN_PYTHON}", *SHORT_RUN, *steps]:
         argv += ["--set", override]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -338,12 +339,13 @@ def test_legacy_render_passes_llamafactory_094_argument_parsing(tmp_path: Path) 
         "    print('RESULT', type(exc).__name__, str(exc).replace(chr(10), ' '))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(LEGACY_LF), "DISABLE_VERSION_CHECK": "1"}
-    good = subprocess.run([str(TRAIN_PYTHON), "-c", code, json.dumps(plan.train_config)], capture_output=True, text=True, env=env)
-    result = next(l for l in good.stdout.splitlines() if l.startswith("RESULT"))
+    good = subprocess.run([str(TRAIN_PYTHON), "-c", code, json.dumps(plan.train_config)], capture_output=True, text=True,
+                          env=env)
+    result = next(ln for ln in good.stdout.splitlines() if ln.startswith("RESULT"))
     assert "'ktransformers' distribution was not found" in result, result
     bad = dict(plan.train_config, kt_optimize_rle="typo.yaml")  # an unknown key fails before that check
     bad_run = subprocess.run([str(TRAIN_PYTHON), "-c", code, json.dumps(bad)], capture_output=True, text=True, env=env)
-    bad_result = next(l for l in bad_run.stdout.splitlines() if l.startswith("RESULT"))
+    bad_result = next(ln for ln in bad_run.stdout.splitlines() if ln.startswith("RESULT"))
     assert "kt_optimize_rle" in bad_result and "distribution was not found" not in bad_result, bad_result
 
 

@@ -58,7 +58,7 @@ def check_in_kt_toolchain(configs: list[dict]) -> list[dict]:
     done = subprocess.run([str(KT_PYTHON), "-c", _CHECK], input=json.dumps(configs), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULTS "))
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
 
 
@@ -87,7 +87,8 @@ RULES = [
      "kt_weight_lifecycle"),
     (RAW, "sft.kt_config.kt_backend=FP8", {"kt_config.kt_backend": "FP8"}, "conflicts with kt_backend"),
     (RAW, "sft.gradient_checkpointing=true", {"gradient_checkpointing": True}, "gradient_checkpointing"),
-    (FP8, "sft.kt_config.kt_num_gpu_experts=1", {"kt_config.kt_num_gpu_experts": 1}, "FP8 SFT requires kt_num_gpu_experts=0"),
+    (FP8, "sft.kt_config.kt_num_gpu_experts=1", {"kt_config.kt_num_gpu_experts": 1},
+     "FP8 SFT requires kt_num_gpu_experts=0"),
     (FP8, "sft.kt_config.kt_share_backward_bb=false", {"kt_config.kt_share_backward_bb": False},
      "FP8 SFT requires kt_share_backward_bb=true"),
 ]

@@ -104,7 +104,7 @@ def test_the_estimate_matches_the_gpu_memory_measured_for_deepseek_v2_lite() -> 
 
 
 def test_headers_give_the_parameters_as_decoded_and_the_lora_targets(big_model: Path) -> None:
-    from ktflow.fixtures import streamed_parameters, _vision_modules
+    from ktflow.fixtures import _vision_modules, streamed_parameters
 
     size = model_size(big_model)
     vision = sum(p.numel() for p in _vision_modules(BIGGER_THAN_GPU.hidden).values())

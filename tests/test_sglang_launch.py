@@ -324,7 +324,7 @@ def parse_with_sglang(argvs: list[list[str]]) -> dict:
     done = subprocess.run([str(SERVE_PYTHON), "-c", _PARSE], input=json.dumps(argvs), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULTS "))
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
 
 
@@ -460,7 +460,7 @@ def test_launcher_passes_the_key_inside_the_server_only(sglang_kt, weights, adap
     env = {**os.environ, **launch.env, "PYTHONPATH": str(tmp_path), "KTFLOW_TEST_KEY": SENTINEL}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    probe = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("PROBE ")).removeprefix("PROBE "))
+    probe = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")).removeprefix("PROBE "))
     assert probe["key_sha256"] == hashlib.sha256(SENTINEL.encode()).hexdigest()
     assert probe["key_in_cmdline"] is False
     assert probe["key_env_left"] is None

@@ -89,7 +89,8 @@ def test_reference_host_runs_the_big_recipes(name: str) -> None:
 
 
 def test_skipped_stages_are_not_checked() -> None:
-    checks = {c.stage: c for c in check_recipe_on_host(load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml"), host("none", gpus=0))}
+    recipe = load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml")
+    checks = {c.stage: c for c in check_recipe_on_host(recipe, host("none", gpus=0))}
     assert checks["dequantize"].needed is False and checks["dequantize"].missing == []
 
 

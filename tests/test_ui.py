@@ -22,11 +22,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from browser import Browser, browser_skip_reason, chromium
 from prefect_cluster import DATABASE_ENV, REPO, postgres_skip_reason
-from test_orchestration import SERVE, TRAIN, TRAIN_STAGES, Setup, _processes_of_run, _wait_for_training
-from test_orchestration import setup  # noqa: F401  (the module's cluster: a fixture reused, not copied)
+from test_orchestration import (
+    SERVE,
+    TRAIN,
+    TRAIN_STAGES,
+    Setup,
+    _processes_of_run,
+    _wait_for_training,
+    setup,  # noqa: F401  (the module's cluster: a fixture reused, not copied)
+)
 
 pytestmark = [
     pytest.mark.slow,

@@ -434,8 +434,9 @@ def run(plan: dict[str, Any], staging: Path) -> int:
 
 
 def _emit_start(plan: dict[str, Any]) -> None:
-    import kt_kernel
     from importlib import metadata
+
+    import kt_kernel
 
     emit("start", kt_kernel=metadata.version("kt-kernel"), torch=torch.__version__,
          cpu_variant=getattr(kt_kernel, "__cpu_variant__", None),

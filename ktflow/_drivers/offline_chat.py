@@ -167,7 +167,8 @@ def _atomic_write_json(path: Path, value: Any) -> None:
         os.close(fd)
 
 
-def answer(plan: dict[str, Any], calls: list[tuple[list[dict[str, str]], str | None, dict[str, Any]]]) -> list[dict[str, Any]]:
+def answer(plan: dict[str, Any],
+           calls: list[tuple[list[dict[str, str]], str | None, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Load the model once with the plan's infer config and answer every call, in order."""
     from llamafactory.chat import ChatModel
 
