@@ -187,7 +187,8 @@ def main() -> int:
             print(f"{path} is missing (make dev / make train-env)", file=sys.stderr)
             return 1
 
-    from ktflow.evaluate import EvaluationError, evaluate_endpoint, generative_metrics, load_eval_records
+    from ktflow.errors import EvaluationError
+    from ktflow.evaluate import evaluate_endpoint, generative_metrics, load_eval_records
     from ktflow.recipe import EvaluationConfig, load_recipe
     from ktflow.serve import api_key_for, free_port, port_is_open, serve, stop
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
 from ktflow.dataset import validate_dataset
-from ktflow.errors import InvalidInputError, KtflowError, NoWorkerError, PromotionGateError
+from ktflow.errors import InvalidInputError, NoWorkerError, PromotionGateError, StageFailedError
 from ktflow.evaluate import refuse_contaminated_gate
 from ktflow.hardware import HostInfo, probe_host
 from ktflow.pools import WorkPoolSpec, pool_for_stage
@@ -202,10 +202,6 @@ def pipeline(recipe: Recipe, hf_token_block: str | None = None) -> dict[str, Any
 DEFAULT_PICKUP_TIMEOUT_S = 600.0
 """How long a dispatched stage waits for a live worker of its pool (Prefect marks a worker
 offline 3 missed heartbeats, 90 s by default, after it dies)."""
-
-
-class StageFailedError(KtflowError):
-    """A stage's child run ended in a state other than Completed."""
 
 
 def stage_deployment(stage: StageName) -> str:

@@ -57,7 +57,15 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 from pydantic import BaseModel, ConfigDict
 
-from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
+from ktflow.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    DownloadError,
+    HostRequirementError,
+    InsufficientDiskError,
+    KtflowError,
+    SourceAccessError,
+)
 from ktflow.recipe import SourceConfig
 from ktflow.runner import (
     DiskNeed,
@@ -69,7 +77,7 @@ from ktflow.runner import (
     find_published,
     run_stage,
 )
-from ktflow.store import FileEntry, InsufficientDiskError, StageManifest, human_bytes
+from ktflow.store import FileEntry, StageManifest, human_bytes
 
 __all__ = [
     "DOWNLOAD_HUB",
@@ -119,30 +127,6 @@ T = TypeVar("T")
 # ---------------------------------------------------------------------------------------------
 # Errors and result
 # ---------------------------------------------------------------------------------------------
-
-
-class DownloadError(KtflowError):
-    """The download could not complete: the source kept failing, or bytes did not verify."""
-
-
-class ChecksumMismatchError(DownloadError):
-    """Downloaded files whose size or hash differs from what the source lists.
-
-    The bad files have been deleted, so rerunning the stage fetches them again.
-    ``mismatches`` holds ``(path, what, expected, actual)`` tuples.
-    """
-
-    def __init__(self, mismatches: list[tuple[str, str, str, str]]) -> None:
-        self.mismatches = mismatches
-        lines = [f"{path}: {what} expected {expected}, got {actual}" for path, what, expected, actual in mismatches]
-        super().__init__(
-            f"{len(mismatches)} downloaded file(s) failed verification and were deleted "
-            f"(rerun the stage to fetch them again): " + "; ".join(lines)
-        )
-
-
-class SourceAccessError(InvalidInputError):
-    """The source cannot be read as named: repo, revision or file not found, or no access."""
 
 
 class DownloadResult(BaseModel):

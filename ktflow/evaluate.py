@@ -48,7 +48,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ktflow.contamination import Contamination, find_overlaps
-from ktflow.errors import DatasetError, KtflowError
+from ktflow.errors import DatasetError, EvaluationError, KtflowError
 from ktflow.recipe import DatasetConfig, EvaluationConfig, Recipe, StyleMetric
 from ktflow.store import atomic_write_bytes, atomic_write_json
 
@@ -76,10 +76,6 @@ class EvalReport(BaseModel):
     predictions: list[dict]
     latency_s: dict[str, float] = {}
     url: str | None = None
-
-
-class EvaluationError(KtflowError):
-    """Requests to the endpoint failed during evaluation."""
 
 
 # --------------------------------------------------------------------------- records

@@ -20,29 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ktflow._drivers import offline_chat as driver
-from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
-from ktflow.process import ThrottledLines, ToolError, run_tool
+from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError, OfflineGenerationError, ToolError
+from ktflow.process import ThrottledLines, run_tool
 from ktflow.store import atomic_write_json
 
 PLAN_NAME = "offline-plan.json"
 OUT_NAME = "offline-answers.json"
 LOG_NAME = "offline-chat.log"
 TAIL_LINES = 20
-
-
-class OfflineGenerationError(KtflowError):
-    """The offline generation driver failed (or ran past its time limit); nothing was returned.
-
-    Attributes:
-        tail: the last lines of its output.
-        log_path: its full output.
-    """
-
-    def __init__(self, message: str, tail: list[str], log_path: Path) -> None:
-        self.tail = list(tail)
-        self.log_path = log_path
-        shown = "\n    ".join(self.tail[-TAIL_LINES:])
-        super().__init__(f"{message} (full log: {log_path}); last lines of its output:\n    {shown}")
 
 
 @contextlib.contextmanager

@@ -40,26 +40,10 @@ from pathlib import Path
 
 import psutil
 
-from ktflow.errors import KtflowError
+from ktflow.errors import KtflowError, ToolError, ToolTimeout
 
 TERMINATE_GRACE_S = 30.0
 DRAIN_S = 1.0  # output still arriving this long after the tool exited is a leftover's
-
-
-class ToolError(KtflowError):
-    """A tool exited with a non-zero status (its last output lines are in the message)."""
-
-    def __init__(self, argv: Sequence[str], returncode: int, tail: Sequence[str], log_path: Path | None) -> None:
-        self.argv = list(argv)
-        self.returncode = returncode
-        self.tail = list(tail)
-        where = f" (full log: {log_path})" if log_path else ""
-        shown = "\n    ".join(self.tail[-15:])
-        super().__init__(f"{Path(argv[0]).name} exited with status {returncode}{where}; last lines:\n    {shown}")
-
-
-class ToolTimeout(KtflowError):
-    """A tool ran past its time limit and was stopped."""
 
 
 def _load_prctl() -> Callable[..., int] | None:

@@ -68,8 +68,8 @@ from ktflow.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
-from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.process import ToolError, run_tool
+from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError, ToolError
+from ktflow.process import run_tool
 from ktflow.runner import (
     INT8_KERNELS,
     DiskNeed,

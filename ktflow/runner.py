@@ -16,7 +16,7 @@ manifest and the result. :func:`run_stage` owns every step the stages share, in 
 5. **staging**: the directory beside the target is resumed (a resuming stage whose journal
    matches) or started afresh;
 6. **work** and 7. **verify**: nothing is published when either raises; a full or read-only
-   filesystem becomes a :class:`~ktflow.store.StorageError` naming the path;
+   filesystem becomes a :class:`~ktflow.errors.StorageError` naming the path;
 8. **publish**: ``manifest.json`` last, then the rename (:func:`~ktflow.store.publish_dir`);
 9. **progress**: the caller's ``progress(done, total)`` rides on the job (:meth:`Job.report`); the
    stage reports in its own unit (bytes, layers, steps).

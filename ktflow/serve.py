@@ -64,7 +64,15 @@ import psutil
 import yaml
 from pydantic import BaseModel
 
-from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
+from ktflow.errors import (
+    AdapterError,
+    CheckpointError,
+    HostRequirementError,
+    InvalidInputError,
+    KtflowError,
+    ServerStartError,
+    SwapError,
+)
 from ktflow.process import (
     EMBEDDED_API_MARKER,
     TERMINATE_GRACE_S,
@@ -88,25 +96,6 @@ LLAMAFACTORY_KEY_ENV = "API_KEY"  # what `llamafactory-cli api` reads its bearer
 MIN_KEY_LENGTH = 16
 SMOKE_PROMPT = "Say hello."
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-
-
-class ServerStartError(KtflowError):
-    """The server exited, timed out, or failed its health gate or smoke test while starting."""
-
-    def __init__(self, message: str, tail: Sequence[str] = (), log_path: Path | None = None) -> None:
-        self.tail = list(tail)
-        self.log_path = log_path
-        where = f" (full log: {log_path})" if log_path else ""
-        shown = "\n    ".join(self.tail[-15:])
-        super().__init__(f"{message}{where}" + (f"; last lines:\n    {shown}" if shown else ""))
-
-
-class SwapError(KtflowError):
-    """A new adapter failed to serve. ``rolled_back`` says whether the previous one serves again."""
-
-    def __init__(self, message: str, *, rolled_back: bool) -> None:
-        self.rolled_back = rolled_back
-        super().__init__(message)
 
 
 class AdapterRef(BaseModel):

@@ -47,7 +47,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ktflow import ENGINE_VERSION, __version__
-from ktflow.errors import HostRequirementError, KtflowError
+from ktflow.errors import ArtifactBusyError, HostRequirementError, InsufficientDiskError, StorageError
 
 MANIFEST_NAME = "manifest.json"
 STAGING_SUFFIX = ".partial"
@@ -169,20 +169,6 @@ def publish_dir(staging: Path, final_dir: Path, manifest: StageManifest, *, fsyn
 # --------------------------------------------------------------------------- faults: space, permissions, locks
 
 
-class StorageError(KtflowError):
-    """Writing an artifact failed because of its filesystem: full, over quota, read-only or not
-    writable (exit 1: the stage had started; what it finished stays in staging for the rerun)."""
-
-    def __init__(self, message: str, *, path: Path, errno_: int | None = None) -> None:
-        self.path = Path(path)
-        self.errno = errno_
-        super().__init__(message)
-
-
-class ArtifactBusyError(KtflowError):
-    """Another process holds the artifact's lock and the caller asked not to wait."""
-
-
 def human_bytes(n: float) -> str:
     """``n`` bytes as a short human figure (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -208,18 +194,6 @@ def free_bytes(path: Path) -> int:
 def space_margin(need: int, files: int = 1) -> int:
     """``need`` plus what a filesystem adds: a block per file, a percent for metadata."""
     return int(need * 1.01) + 4096 * (files + 4)
-
-
-class InsufficientDiskError(HostRequirementError):
-    """A filesystem has less free space than a stage still has to write there (exit 2, before any work).
-
-    ``need`` is what was asked for (margin included), ``free`` what the filesystem has.
-    """
-
-    def __init__(self, subject: str, reason: str, fix: str | None = None, *, need: int, free: int) -> None:
-        self.need = need
-        self.free = free
-        super().__init__(subject, reason, fix)
 
 
 _FREE_SPACE_FIX = ("free space there, or write the artifact to a larger filesystem, then rerun "
@@ -270,8 +244,8 @@ def storage_errors(final_dir: Path, *, need: int | None = None) -> Iterator[None
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _NO_SPACE | _NOT_WRITABLE:
-            raise
+        if isinstance(exc, StorageError) or exc.errno not in _NO_SPACE | _NOT_WRITABLE:
+            raise  # an inner storage_errors already named it (StorageError is an OSError too)
         target = getattr(exc, "filename2", None) or exc.filename  # a copy names its source first
         staging = staging_dir_for(final_dir)
         where = Path(target) if target else staging

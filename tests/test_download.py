@@ -15,15 +15,16 @@ from hubserver import FakeHub, FakeRepo
 
 import ktflow.download as dl
 import ktflow.store as store
-from ktflow.download import (
+from ktflow.download import download_checkpoint, resolve_revision
+from ktflow.errors import (
+    CheckpointError,
     ChecksumMismatchError,
     DownloadError,
+    HostRequirementError,
     InsufficientDiskError,
+    InvalidInputError,
     SourceAccessError,
-    download_checkpoint,
-    resolve_revision,
 )
-from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError
 from ktflow.recipe import SourceConfig
 from ktflow.store import STAGING_SUFFIX, read_manifest, staging_dir_for
 

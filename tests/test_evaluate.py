@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 
-from ktflow.errors import DatasetError, KtflowError
+from ktflow.errors import DatasetError, EvaluationError, KtflowError
 from ktflow.evaluate import (
     EvalReport,
-    EvaluationError,
     adapter_is_applied,
     compare_reports,
     evaluate_endpoint,

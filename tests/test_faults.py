@@ -35,16 +35,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ktflow.errors import HostRequirementError, KtflowError
-from ktflow.store import (
-    MANIFEST_NAME,
-    ArtifactBusyError,
-    StorageError,
-    artifact_lock,
-    lock_path_for,
-    read_manifest,
-    staging_dir_for,
-)
+from ktflow.errors import ArtifactBusyError, HostRequirementError, KtflowError, StorageError
+from ktflow.store import MANIFEST_NAME, artifact_lock, lock_path_for, read_manifest, staging_dir_for
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_PYTHON = REPO / ".venv-serve" / "bin" / "python"

@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ktflow.errors import KtflowError
-from ktflow.process import EMBEDDED_API_MARKER, TOOL_MARKER, ToolTimeout, run_tool
+from ktflow.errors import KtflowError, ToolTimeout
+from ktflow.process import EMBEDDED_API_MARKER, TOOL_MARKER, run_tool
 from ktflow.serve import SERVER_MARKER, free_port, read_endpoint, stop
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from test_convert_lora import save_peft_adapter
 
-from ktflow.errors import InvalidInputError
-from ktflow.offline_generation import LOG_NAME, OfflineGenerationError, generate_offline
+from ktflow.errors import InvalidInputError, OfflineGenerationError
+from ktflow.offline_generation import LOG_NAME, generate_offline
 from ktflow.recipe import load_recipe
 from ktflow.serve import free_port, render_llamafactory_api, serve, stop
 

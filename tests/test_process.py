@@ -9,7 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ktflow.process import ToolError, ToolTimeout, run_tool
+from ktflow.errors import ToolError, ToolTimeout
+from ktflow.process import run_tool
 
 PY = sys.executable
 

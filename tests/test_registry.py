@@ -189,7 +189,8 @@ def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tm
 
 
 def test_a_candidate_sglang_refuses_to_load_changes_nothing(tmp_path: Path) -> None:
-    from ktflow.evaluate import EvaluationError, dynamic_adapter
+    from ktflow.errors import EvaluationError
+    from ktflow.evaluate import dynamic_adapter
 
     key = KEY
     fake = _sglang_with_production()

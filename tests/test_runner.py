@@ -11,7 +11,7 @@ import pytest
 
 import ktflow.store as store
 from ktflow.dequantize import DEQUANTIZE, DequantizeRequest, DequantizeSizes
-from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
+from ktflow.errors import HostRequirementError, InsufficientDiskError, InvalidInputError, KtflowError
 from ktflow.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.quantize_int8 import QUANTIZE_INT8, QuantizeInt8Request, QuantizeInt8Sizes
 from ktflow.runner import (
@@ -27,7 +27,7 @@ from ktflow.runner import (
     preflight,
     run_stage,
 )
-from ktflow.store import InsufficientDiskError, StageManifest, lock_path_for, read_manifest, staging_dir_for
+from ktflow.store import StageManifest, lock_path_for, read_manifest, staging_dir_for
 
 GiB = 1 << 30
 

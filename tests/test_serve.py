@@ -28,14 +28,12 @@ import psutil
 import pytest
 import yaml
 
-from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
+from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, ServerStartError, SwapError
 from ktflow.recipe import load_recipe
 from ktflow.serve import (
     ENDPOINT_FILE,
     SERVER_MARKER,
     Endpoint,
-    ServerStartError,
-    SwapError,
     api_key_for,
     free_port,
     port_is_open,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ktflow.serve import SwapError, swap_sglang_adapter
+from ktflow.errors import SwapError
+from ktflow.serve import swap_sglang_adapter
 
 KEY = "k" * 24
 
