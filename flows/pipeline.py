@@ -44,6 +44,7 @@ from ktflow.sft import check_hf_fits_gpus
 from ktflow.stages import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.store import read_manifest
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
+from tasks._common import retry_unless_invalid_input
 from tasks.promote import emit_rejected, register_adapter_task
 from tasks.report import publish_run_report
 
@@ -227,7 +228,7 @@ def _jsonable(value: Any) -> Any:
     retry_delay_seconds=5,
     # A stage that failed on bad input fails the same way again; a crash (killed worker,
     # lost host) is retried, and the stage's engine resumes what the crashed attempt finished.
-    retry_condition_fn=lambda task, run, state: not _is_invalid_input(state),
+    retry_condition_fn=retry_unless_invalid_input,
 )
 def dispatch_stage(stage: StageName, parameters: dict[str, Any],
                    pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S) -> Any:
@@ -328,16 +329,6 @@ def _child_exception(state: Any) -> BaseException | None:
     except Exception:  # result not persisted or unreadable: fall back to the message
         return None
     return value if isinstance(value, BaseException) else None
-
-
-def _is_invalid_input(state: Any) -> bool:
-    try:
-        state.result()
-    except InvalidInputError:
-        return True
-    except Exception:
-        return False
-    return False
 
 
 def _dispatcher(pickup_timeout_s: float) -> StageCall:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from ktflow import __version__
 from ktflow.errors import InvalidInputError, KtflowError
+from ktflow.units import human_bytes
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -33,13 +34,6 @@ def _print_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def project_dir_of(recipe_file: Path) -> Path:
@@ -85,13 +79,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         variant = host.cpu_variant + (" (KT_KERNEL_CPU_VARIANT override)" if host.cpu_variant_overridden else "")
         table.add_row("kt-kernel variant", variant)
         table.add_row("cores", f"{host.physical_cores} physical, {host.logical_cores} logical")
-        numa = ", ".join(f"node{n.id}: {_human_bytes(n.mem_total_bytes)}" for n in host.numa)
+        numa = ", ".join(f"node{n.id}: {human_bytes(n.mem_total_bytes)}" for n in host.numa)
         table.add_row("NUMA", f"{host.numa_nodes} node(s) ({numa})")
-        table.add_row("RAM", f"{_human_bytes(host.ram_bytes)} ({_human_bytes(host.ram_available_bytes)} available)")
-        gpus = ", ".join(f"{g.name} {_human_bytes(g.vram_bytes)}" for g in host.gpus) or "none"
+        table.add_row("RAM", f"{human_bytes(host.ram_bytes)} ({human_bytes(host.ram_available_bytes)} available)")
+        gpus = ", ".join(f"{g.name} {human_bytes(g.vram_bytes)}" for g in host.gpus) or "none"
         table.add_row("GPUs", gpus)
-        table.add_row("disk free", f"{_human_bytes(host.disk_free_bytes)} at {host.disk_path}")
-        table.add_row("/dev/shm", f"{_human_bytes(host.shm_free_bytes)} free of {_human_bytes(host.shm_bytes)}")
+        table.add_row("disk free", f"{human_bytes(host.disk_free_bytes)} at {host.disk_path}")
+        table.add_row("/dev/shm", f"{human_bytes(host.shm_free_bytes)} free of {human_bytes(host.shm_bytes)}")
         out.print(table)
         if recipe is not None:
             stages = Table(title=f"recipe {recipe.name} on this host")
@@ -141,9 +135,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not s.needed:
             table.add_row(s.stage, "", "", "", "", "", "skipped")
             continue
-        table.add_row(s.stage, _human_bytes(s.disk_bytes) if s.disk_bytes else "-",
-                      _human_bytes(s.ram_bytes) if s.ram_bytes else "-",
-                      _human_bytes(s.gpu_bytes) if s.gpu_bytes else "-", str(s.gpus or "-"),
+        table.add_row(s.stage, human_bytes(s.disk_bytes) if s.disk_bytes else "-",
+                      human_bytes(s.ram_bytes) if s.ram_bytes else "-",
+                      human_bytes(s.gpu_bytes) if s.gpu_bytes else "-", str(s.gpus or "-"),
                       _duration(s.seconds) if s.seconds is not None else "?",
                       "[green]yes[/]" if s.fits else "[red]no[/]")
         notes += [f"[red]{s.stage}: {p}[/]" for p in s.problems]
@@ -210,7 +204,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     table.add_row("experts", f"{info.num_routed_experts} routed + {info.num_shared_experts} shared")
     table.add_row("dims", f"hidden {info.hidden_size}, moe_intermediate {info.moe_intermediate_size}, "
                           f"intermediate {info.intermediate_size}")
-    table.add_row("tensors", f"{info.num_tensors} in {info.num_shards} shard(s), {_human_bytes(info.tensor_bytes)}")
+    table.add_row("tensors", f"{info.num_tensors} in {info.num_shards} shard(s), {human_bytes(info.tensor_bytes)}")
     table.add_row("quantized", str(info.quantized_tensors))
     table.add_row("dtypes", ", ".join(f"{k}: {v}" for k, v in sorted(info.dtypes.items())))
     out.print(table)
@@ -232,7 +226,7 @@ def cmd_download(args: argparse.Namespace) -> int:
             recipe.source, recipe.store.root,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
-    state = "cache hit" if result.cached else f"{result.files} files, {_human_bytes(result.bytes)} verified"
+    state = "cache hit" if result.cached else f"{result.files} files, {human_bytes(result.bytes)} verified"
     out.print(f"{state}: {result.path} (revision {result.revision})")
     return 0
 
@@ -258,7 +252,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
         rate = result.bytes_written / max(result.seconds, 1e-9) / 1e9
         out.print(
             f"{result.source_format} -> BF16: {result.tensors_decoded} tensors decoded, "
-            f"{_human_bytes(result.bytes_written)} in {result.shards} shards, {result.seconds:.1f} s "
+            f"{human_bytes(result.bytes_written)} in {result.shards} shards, {result.seconds:.1f} s "
             f"({rate:.2f} GB/s) -> {result.path}"
         )
     return 0

@@ -11,8 +11,7 @@ from pydantic import BaseModel
 
 from ktflow.recipe import SftConfig
 from ktflow.sizing import ModelSize, kt_share_backward_bb
-
-_GB = 1e9
+from ktflow.units import GB
 
 
 class CostModel(BaseModel):
@@ -69,7 +68,7 @@ def kt_step_seconds(size: ModelSize, sft: SftConfig, threads: int, costs: CostMo
     layer_s = forwards * (costs.kt_forward_call_s + per_layer) + costs.kt_backward_call_s + 2 * per_layer
     tokens = tokens_per_micro_batch or sft.cutoff_len * sft.per_device_train_batch_size
     if sft.fsdp_offload_params:
-        gpu_s = costs.kt_gpu_offload_base_s + costs.kt_gpu_offload_s_per_gb * 2 * size.non_expert_parameters / _GB
+        gpu_s = costs.kt_gpu_offload_base_s + costs.kt_gpu_offload_s_per_gb * 2 * size.non_expert_parameters / GB
     else:
         non_expert_matmul = size.non_expert_parameters - size.vocab_size * size.hidden_size
         gpu_s = costs.kt_gpu_base_s + 4 * non_expert_matmul * tokens / costs.kt_matmul_flops_per_s

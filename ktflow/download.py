@@ -77,7 +77,8 @@ from ktflow.runner import (
     find_published,
     run_stage,
 )
-from ktflow.store import FileEntry, StageManifest, human_bytes
+from ktflow.store import FileEntry, StageManifest
+from ktflow.units import human_bytes
 
 __all__ = [
     "DOWNLOAD_HUB",

@@ -31,9 +31,7 @@ from ktflow.recipe import ModelFacts, Recipe
 from ktflow.runner import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.sizing import ModelSize, hub_model_size, model_size
 from ktflow.stages import host_requirements, plan_stages
-
-_GB = 1e9
-_GiB = 1 << 30
+from ktflow.units import GB, GiB
 
 
 class StageEstimate(BaseModel):
@@ -167,9 +165,9 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
     elif line.stage == "dequantize":
         line.disk_bytes = bf16_bytes
         # Measured peak RSS 279-847 MB (README, dequantize); the stage declares disk only.
-        ram = RamNeed(bytes=1 << 30, what="dequantize", why="python, torch and a few MB of scratch per worker")
+        ram = RamNeed(bytes=GiB, what="dequantize", why="python, torch and a few MB of scratch per worker")
         line.seconds = bf16_bytes / costs.dequantize_bytes_per_s
-        line.time_basis = f"{costs.dequantize_bytes_per_s / _GB:.1f} GB/s of BF16 written (fsync)"
+        line.time_basis = f"{costs.dequantize_bytes_per_s / GB:.1f} GB/s of BF16 written (fsync)"
     elif line.stage == "sft":
         ram, gpu = _predict_sft(line, recipe, host, size, records, costs)
     elif line.stage == "quantize-int8":
@@ -178,14 +176,14 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         ram = RamNeed(bytes=2 * expert_bf16 // max(size.moe_layers, 1), what="quantize-int8",
                       why="one MoE layer's BF16 experts and their INT8")
         line.seconds = expert_bf16 / (costs.quantize_bytes_per_core_s * host.physical_cores)
-        line.time_basis = f"{costs.quantize_bytes_per_core_s / _GB:.2f} GB/s of BF16 experts per core"
+        line.time_basis = f"{costs.quantize_bytes_per_core_s / GB:.2f} GB/s of BF16 experts per core"
     elif line.stage == "serve":
         from ktflow.serve import ServeSizes, serve_needs
 
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
     elif line.stage == "convert-lora":
-        line.disk_bytes = 1 << 30
+        line.disk_bytes = GiB
     elif line.stage == "evaluate":
         ram, gpu = _predict_candidate(line, recipe, host, size)
     _check_fit(line, host, ram, gpu)
@@ -232,7 +230,7 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
     needs = sft_needs(recipe, size)
     line.disk_bytes = sum(d.bytes for d in needs.disk)
     line.gpus = sft.gpus
-    gb = size.stored_bytes / _GB
+    gb = size.stored_bytes / GB
     if sft.backend == "kt":
         threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
         step = kt_step_seconds(size, sft, threads, costs)
@@ -266,8 +264,8 @@ def _check_fit(line: StageEstimate, host: HostInfo, ram: RamNeed | None, gpu: Gp
         line.gpus = line.gpus or gpu.gpus
         line.problems += filter(None, [gpu_shortfall(line.stage, gpu, host)])
     if line.disk_bytes > host.disk_free_bytes:
-        line.problems.append(f"needs ~{line.disk_bytes / _GiB:.1f} GiB of disk; {host.disk_path} has "
-                             f"{host.disk_free_bytes / _GiB:.1f} GiB free")
+        line.problems.append(f"needs ~{line.disk_bytes / GiB:.1f} GiB of disk; {host.disk_path} has "
+                             f"{host.disk_free_bytes / GiB:.1f} GiB free")
 
 
 def load_host(path: Path) -> HostInfo:

@@ -394,3 +394,70 @@ class ThrottledLines:
         if (self._keep and self._keep(line)) or now - self._last >= self._interval:
             self._last = now
             self._emit(line[:10_000])  # the Prefect log API caps a line; tqdm bars are long
+
+
+class LogFollower:
+    """Follow a file another process appends to, from ``offset``, in a thread: each complete line
+    goes to ``on_line`` (decoded as UTF-8, a tqdm redraw reduced to its last state) and into
+    :attr:`tail`. A half-written line waits for the rest; a file rewritten from scratch is read
+    again from its start. Use as a context manager: on exit everything written so far is read,
+    and an unfinished last line is kept in the tail (it is often the error).
+    """
+
+    def __init__(self, path: Path, on_line: Callable[[str], None] | None = None, *, offset: int | None = None,
+                 poll_s: float = 0.2, keep: int = 60) -> None:
+        """``offset`` None: from the file's current end (what is new from now on)."""
+        self.path, self.on_line, self.poll_s = Path(path), on_line, poll_s
+        if offset is None:
+            offset = self.path.stat().st_size if self.path.exists() else 0
+        self.offset = offset
+        self.tail: deque[str] = deque(maxlen=keep)
+        self._stop = threading.Event()
+        self._partial = b""
+        self._thread = threading.Thread(target=self._run, name=f"follow-{self.path.name}", daemon=True)
+
+    def __enter__(self) -> LogFollower:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop following and read what is left (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._read()
+        if self._partial:
+            self.tail.append(self._partial.decode("utf-8", errors="replace").rsplit("\r", 1)[-1])
+            self._partial = b""
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:  # rewritten from scratch
+                    self.offset, self._partial = 0, b""
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        if not chunk:
+            return
+        self.offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # an unfinished line (or character) waits for the rest
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace").rsplit("\r", 1)[-1]
+            self.tail.append(line)
+            if self.on_line is not None:
+                try:
+                    self.on_line(line[:10_000])
+                except Exception:  # noqa: BLE001 - a logging or progress callback must not break the run
+                    pass

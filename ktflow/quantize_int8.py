@@ -83,6 +83,7 @@ from ktflow.runner import (
 )
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
+from ktflow.units import GiB
 
 STAGE = "quantize-int8"
 KT_METHOD = driver.KT_METHOD
@@ -94,8 +95,7 @@ _JOURNAL = ".ktflow-int8.json"  # the source identity and settings a staging dir
 _LOG = ".ktflow-int8.log"
 _HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk check
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_GiB = 1 << 30
-_DRIVER_BASE_BYTES = 1 * _GiB  # python + torch (CUDA build) + kt-kernel imported: ~0.6 GB, with margin
+_DRIVER_BASE_BYTES = 1 * GiB  # python + torch (CUDA build) + kt-kernel imported: ~0.6 GB, with margin
 
 
 class QuantizeInt8Result(BaseModel):
@@ -307,7 +307,7 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     ram_need = bf16_layer + int8_layer * (2 if on_tmpfs else 1)
     out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
                  + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
-    ram_why = (f"{bf16_layer / _GiB:.2f} GiB BF16 experts + {int8_layer / _GiB:.2f} GiB INT8"
+    ram_why = (f"{bf16_layer / GiB:.2f} GiB BF16 experts + {int8_layer / GiB:.2f} GiB INT8"
                f"{' + the same in ' + str(shm) if on_tmpfs else ''} + ~1 GiB for python, torch and kt-kernel")
     return Resources(
         host=INT8_KERNELS,

@@ -60,6 +60,7 @@ from ktflow import hardware, store
 from ktflow.errors import HostRequirementError, InvalidInputError
 from ktflow.hardware import HostInfo, variant_at_least
 from ktflow.store import StageManifest
+from ktflow.units import GiB, gib
 
 StageName = Literal["download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate"]
 STAGE_ORDER: tuple[StageName, ...] = (
@@ -69,7 +70,6 @@ STAGE_ORDER: tuple[StageName, ...] = (
 Progress = Callable[[int, int], None]
 """``progress(done, total)`` in the stage's own unit (bytes, layers, steps)."""
 
-_GiB = 1 << 30
 
 
 # --------------------------------------------------------------------------- what a stage needs of a host
@@ -185,9 +185,6 @@ class Resources(BaseModel):
         return self.host is not None or self.ram is not None or self.gpu is not None
 
 
-def _gib(n: float) -> str:
-    """Bytes in GiB, with decimals where a whole number would read as zero."""
-    return f"{n / _GiB:.0f}" if n >= 10 * _GiB else f"{n / _GiB:.2f}"
 
 
 def ram_shortfall(stage: StageName, ram: RamNeed, host: HostInfo) -> str | None:
@@ -197,16 +194,16 @@ def ram_shortfall(stage: StageName, ram: RamNeed, host: HostInfo) -> str | None:
     if ram.of == "available":
         if host.ram_available_bytes >= ram.bytes:
             return None
-        return f"{ram.what} needs ~{_gib(ram.bytes)} GiB of RAM{why}; {_gib(host.ram_available_bytes)} GiB is available"
+        return f"{ram.what} needs ~{gib(ram.bytes)} GiB of RAM{why}; {gib(host.ram_available_bytes)} GiB is available"
     problems = []
     nodes = sorted(host.numa, key=lambda n: n.mem_total_bytes)
     share = ram.bytes / max(ram.numa_pools, 1)
     if ram.numa_pools > 1 and len(nodes) >= ram.numa_pools and nodes[0].mem_total_bytes < share:
-        problems.append(f"{ram.what} needs ~{_gib(share)} GiB per NUMA node for its share{why} "
-                        f"({_gib(ram.bytes)} GiB over {ram.numa_pools} pools); node {nodes[0].id} has "
-                        f"{_gib(nodes[0].mem_total_bytes)} GiB")
+        problems.append(f"{ram.what} needs ~{gib(share)} GiB per NUMA node for its share{why} "
+                        f"({gib(ram.bytes)} GiB over {ram.numa_pools} pools); node {nodes[0].id} has "
+                        f"{gib(nodes[0].mem_total_bytes)} GiB")
     if host.ram_bytes < ram.bytes:
-        problems.append(f"{ram.what} needs ~{_gib(ram.bytes)} GiB of RAM{why}; this host has {_gib(host.ram_bytes)} GiB")
+        problems.append(f"{ram.what} needs ~{gib(ram.bytes)} GiB of RAM{why}; this host has {gib(host.ram_bytes)} GiB")
     return "; ".join(problems) or None
 
 
@@ -226,12 +223,12 @@ def gpu_shortfall(stage: StageName, gpu: GpuNeed, host: HostInfo) -> str | None:
         if gpu.bytes <= have:
             return None
         names = ", ".join(sorted({g.name for g in used}))
-        return (f"{what} needs ~{gpu.bytes / _GiB:.0f} GiB of GPU memory{why}; the {len(used)} GPU(s) it uses "
-                f"({field}{names}) have {have / _GiB:.1f} GiB.")
+        return (f"{what} needs ~{gpu.bytes / GiB:.0f} GiB of GPU memory{why}; the {len(used)} GPU(s) it uses "
+                f"({field}{names}) have {have / GiB:.1f} GiB.")
     for g in used:
         if g.vram_bytes < gpu.bytes:
-            return (f"{what} needs ~{gpu.bytes / _GiB:.1f} GiB on each of {len(used)} GPU(s){why}; "
-                    f"GPU {g.index} ({g.name}) has {g.vram_bytes / _GiB:.1f} GiB")
+            return (f"{what} needs ~{gpu.bytes / GiB:.1f} GiB on each of {len(used)} GPU(s){why}; "
+                    f"GPU {g.index} ({g.name}) has {g.vram_bytes / GiB:.1f} GiB")
     return None
 
 

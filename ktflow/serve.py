@@ -45,16 +45,14 @@ included), the half-started server and everything carrying its marker are stoppe
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import secrets
 import socket
 import subprocess
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -77,6 +75,7 @@ from ktflow.process import (
     EMBEDDED_API_MARKER,
     TERMINATE_GRACE_S,
     Guardian,
+    LogFollower,
     _die_with_parent,
     reap_marked,
     terminate_tree,
@@ -312,55 +311,6 @@ def render_llamafactory_api(
 # --------------------------------------------------------------------------- the process
 
 
-class _LogFollower:
-    """Follow a log file the child writes, from ``offset``: keep a tail, forward each new line."""
-
-    def __init__(self, path: Path, offset: int, on_line: Callable[[str], None] | None) -> None:
-        self.path, self.offset, self.on_line = path, offset, on_line
-        self.tail: collections.deque[str] = collections.deque(maxlen=60)
-        self._stop = threading.Event()
-        self._partial = b""
-        self._thread = threading.Thread(target=self._run, name="server-log", daemon=True)
-
-    def start(self) -> _LogFollower:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._read()
-        if self._partial:  # the last line, unfinished: keep it for the error message
-            self.tail.append(self._partial.decode("utf-8", errors="replace").rsplit("\r", 1)[-1])
-            self._partial = b""
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self._read()
-
-    def _read(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except OSError:
-            return
-        if not chunk:
-            return
-        self.offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # an unfinished line (or character) waits for the rest
-        for raw in lines:
-            # tqdm redraws with carriage returns: keep the last state of each line.
-            line = raw.decode("utf-8", errors="replace").rsplit("\r", 1)[-1]
-            self.tail.append(line)
-            if self.on_line is not None:
-                try:
-                    self.on_line(line[:10_000])
-                except Exception:  # noqa: BLE001 - a logging callback must not break the start
-                    pass
-
-
 def _probe(url: str, api_key: str | None, timeout_s: float = 5.0) -> tuple[int | None, Any]:
     """GET ``url`` (with the bearer key if given): (status, json or None); (None, error) when unreachable."""
     import httpx
@@ -420,7 +370,7 @@ def start_server(
     try:
         proc, offset = _spawn(argv, child_env, Path(log_path), label=label, cwd=cwd, die_with_parent=die_with_parent)
         gate = _ReadyGate(ready_url, api_key, expect_model, check_auth, timeout_s, poll_s)
-        with _following(Path(log_path), offset, on_line) as follower:
+        with LogFollower(Path(log_path), on_line, offset=offset) as follower:
             try:
                 if on_started is not None:
                     on_started(proc)
@@ -454,15 +404,6 @@ def _spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, label
         return proc, log.tell()
 
 
-@contextlib.contextmanager
-def _following(path: Path, offset: int, on_line: Callable[[str], None] | None) -> Iterator[_LogFollower]:
-    follower = _LogFollower(path, offset, on_line).start()
-    try:
-        yield follower
-    finally:
-        follower.close()
-
-
 @dataclass(frozen=True)
 class _ReadyGate:
     """When a starting server counts as ready (see :func:`start_server`)."""
@@ -474,7 +415,7 @@ class _ReadyGate:
     timeout_s: float
     poll_s: float
 
-    def wait(self, proc: subprocess.Popen, follower: _LogFollower, name: str, log_path: Path) -> None:
+    def wait(self, proc: subprocess.Popen, follower: LogFollower, name: str, log_path: Path) -> None:
         """Return once ready; raise :class:`ServerStartError` when the process exits or the time runs out."""
         deadline = time.monotonic() + self.timeout_s
         while True:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from ktflow.checkpoint import checkpoint_digest
 from ktflow.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
 from ktflow.hardware import HostInfo
-from ktflow.process import ThrottledLines, run_tool
+from ktflow.process import LogFollower, ThrottledLines, run_tool
 from ktflow.recipe import Recipe, with_sft_backend
 from ktflow.runner import (
     DiskNeed,
@@ -61,6 +60,7 @@ from ktflow.sizing import (
 )
 from ktflow.stages import host_requirements
 from ktflow.store import StageManifest, atomic_write_bytes, read_manifest
+from ktflow.units import GiB
 
 TRAIN_YAML = "train.yaml"
 ACCELERATE_YAML = "accelerate.yaml"
@@ -376,45 +376,17 @@ def _adapter_from_checkpoint(ckpt: Path, output_dir: Path) -> None:
         os.replace(partial, target)
 
 
-class _TrainerLogFollower:
-    """Tail ``trainer_log.jsonl`` while training runs and report each new record."""
+def _trainer_records(callback: Callable[[TrainerProgress], None]) -> Callable[[str], None]:
+    """A :class:`~ktflow.process.LogFollower` callback: each ``trainer_log.jsonl`` record to ``callback``."""
 
-    def __init__(self, path: Path, callback: Callable[[TrainerProgress], None], poll_s: float = 1.0) -> None:
-        self._path, self._callback, self._poll = path, callback, poll_s
-        self._stop = threading.Event()
-        self._offset = path.stat().st_size if path.exists() else 0
-        self._thread = threading.Thread(target=self._run, name="trainer-log", daemon=True)
-
-    def __enter__(self) -> _TrainerLogFollower:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._read_new()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._poll):
-            self._read_new()
-
-    def _read_new(self) -> None:
-        if not self._path.exists():
+    def on_line(line: str) -> None:
+        try:
+            record = TrainerProgress.model_validate(json.loads(line))
+        except ValueError:
             return
-        if self._path.stat().st_size < self._offset:  # rewritten from scratch
-            self._offset = 0
-        with open(self._path, encoding="utf-8") as f:
-            f.seek(self._offset)
-            while True:
-                line = f.readline()
-                if not line.endswith("\n"):  # partial line: wait for the rest
-                    break
-                self._offset = f.tell()
-                try:
-                    record = TrainerProgress.model_validate(json.loads(line))
-                except ValueError:
-                    continue
-                self._callback(record)
+        callback(record)
+
+    return on_line
 
 
 # --------------------------------------------------------------------------- the stage
@@ -441,7 +413,6 @@ def tool_versions(python: Path, packages: tuple[str, ...]) -> dict[str, str]:
     return json.loads(done.stdout) if done.returncode == 0 else {}
 
 
-_GiB = 1 << 30
 # A plain CPU run holds the model in fp32 (twice BF16) plus activations and the LoRA state.
 _CPU_RAM_FACTOR = 2.5
 
@@ -475,7 +446,7 @@ def sft_needs(recipe: Recipe, size: ModelSize) -> Resources:
                       why="the model in fp32 and its activations", of="installed")
     else:
         gpu = hf_sft_gpu_need(size, sft)
-    checkpoints = (3 * size.stored_bytes if sft.finetuning_type == "full" else 0) + _GiB
+    checkpoints = (3 * size.stored_bytes if sft.finetuning_type == "full" else 0) + GiB
     return Resources(
         host=host_requirements(recipe)["sft"], gpu=gpu, ram=ram, toolchain=_train_toolchain(recipe),
         disk=(DiskNeed(bytes=checkpoints, what="sft's checkpoints", fix="free disk at the store, or set store.root"),),
@@ -535,8 +506,8 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
     if len(used) < sft.gpus:
         hf_problems.append(f"this host has {len(host.gpus)} GPU(s), sft.gpus is {sft.gpus}")
     elif hf_need > _HF_GPU_MARGIN * have:
-        hf_problems.append(f"plain SFT needs ~{hf_need / _GiB:.1f} GiB of GPU memory, more than "
-                           f"{_HF_GPU_MARGIN:.0%} of the {have / _GiB:.1f} GiB its {len(used)} GPU(s) have")
+        hf_problems.append(f"plain SFT needs ~{hf_need / GiB:.1f} GiB of GPU memory, more than "
+                           f"{_HF_GPU_MARGIN:.0%} of the {have / GiB:.1f} GiB its {len(used)} GPU(s) have")
     if recipe.source.format != "bf16":
         hf_problems.append(f"the source is {recipe.source.format}: plain SFT would need a BF16 copy first")
     kt_recipe = _kt_side(recipe, size, host)
@@ -550,7 +521,7 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
     t_hf = None if hf_problems else hf_step_seconds(size, hf_recipe.sft)
     if t_hf is not None and (t_kt is None or t_hf <= t_kt):
         vs = f", KT {t_kt:.1f} s" if t_kt is not None else f" (KT cannot run: {'; '.join(kt_problems)})"
-        reason = (f"hf: the model fits the GPUs (~{hf_need / _GiB:.1f} of {have / _GiB:.1f} GiB) and a step is "
+        reason = (f"hf: the model fits the GPUs (~{hf_need / GiB:.1f} of {have / GiB:.1f} GiB) and a step is "
                   f"predicted at {t_hf:.1f} s{vs}")
         return SftChoice(recipe=hf_recipe, backend="hf", reason=reason, hf_step_s=t_hf, kt_step_s=t_kt)
     if t_kt is not None:
@@ -710,7 +681,7 @@ def _train(job: _Job, argv: list[str], env: dict[str, str]) -> None:
             request.on_record(record)
 
     forward = ThrottledLines(request.log or (lambda line: None), keep=lambda line: "Error" in line or "error" in line)
-    with _TrainerLogFollower(job.output_dir / TRAINER_LOG, on_record):
+    with LogFollower(job.output_dir / TRAINER_LOG, _trainer_records(on_record), poll_s=1.0):
         run_tool(argv, env=env, log_path=job.run_dir / "train.log", on_line=forward, timeout_s=request.timeout_s)
 
 

@@ -25,8 +25,8 @@ from ktflow.hardware import HostInfo
 from ktflow.recipe import Recipe, SftConfig
 from ktflow.runner import GpuNeed, RamNeed, gpu_shortfall
 from ktflow.safetensors_io import read_header
+from ktflow.units import GiB
 
-GiB = 1 << 30
 # Companions of quantized weights: scales, shapes, zero points are not parameters.
 _QUANT_METADATA = (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_scale_inv")
 # Weights that LoRA's "all" does not reach through LlamaFactory + transformers 5: embeddings and

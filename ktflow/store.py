@@ -48,6 +48,7 @@ from pydantic import BaseModel, Field
 
 from ktflow import ENGINE_VERSION, __version__
 from ktflow.errors import ArtifactBusyError, HostRequirementError, InsufficientDiskError, StorageError
+from ktflow.units import human_bytes
 
 MANIFEST_NAME = "manifest.json"
 STAGING_SUFFIX = ".partial"
@@ -169,13 +170,6 @@ def publish_dir(staging: Path, final_dir: Path, manifest: StageManifest, *, fsyn
 # --------------------------------------------------------------------------- faults: space, permissions, locks
 
 
-def human_bytes(n: float) -> str:
-    """``n`` bytes as a short human figure (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def existing_ancestor(path: Path) -> Path:

@@ -17,7 +17,8 @@ from ktflow.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.recipe import load_recipe
 from ktflow.safetensors_io import header_bytes
 from ktflow.sft import check_hf_fits_gpus, run_sft
-from ktflow.sizing import GiB, estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
+from ktflow.sizing import estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
+from ktflow.units import GiB
 
 REPO = Path(__file__).resolve().parent.parent
 H100 = GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", vram_bytes=81559 << 20)  # what nvidia-smi reports
