@@ -106,7 +106,7 @@ def main() -> int:
                   f"overhead {wall - engine:.1f} s  " + " ".join(f"{k}={v:.1f}" for k, v in engine_seconds.items()),
                   flush=True)
     finally:
-        stop((recipe.store.root / "serving" / recipe.name).absolute())
+        stop(recipe.store.layout.serving(recipe.name).absolute())
     worst = max(row["overhead_s"] for row in rows)
     print(json.dumps({"runs": rows, "max_overhead_s": worst, "target_s": 15, "met": worst < 15}, indent=2))
     shutil.rmtree(work, ignore_errors=True)

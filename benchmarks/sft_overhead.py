@@ -135,11 +135,11 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     import transformers  # noqa: F401  (prepare_dataset imports it for template "empty")
 
     t = lap("import transformers (for the chat template)", t)
-    dataset = prepare_dataset(recipe.dataset, (recipe.store.root / "datasets" / f"x-{data_digest[:12]}").absolute(),
+    dataset = prepare_dataset(recipe.dataset, recipe.store.layout.dataset(f"x-{data_digest[:12]}").absolute(),
                               template=recipe.sft.template, model_dir=model_dir)
     t = lap("prepare_dataset (tokenizer load, render, fsync, publish)", t)
     key = run_key(recipe, base_digest=base_digest, data_digest=data_digest)
-    run_dir = (recipe.store.root / "runs" / key[:12]).absolute()
+    run_dir = recipe.store.layout.run(key[:12]).absolute()
     run_dir.mkdir(parents=True)
     plan = render_sft(recipe, model_dir=model_dir, dataset_dir=dataset.dataset_dir, output_dir=run_dir / "output",
                       config_dir=run_dir, train_python=recipe.toolchains.train.python.absolute(),

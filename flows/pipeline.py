@@ -78,8 +78,9 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     resumed = f", resumed from {trained.resumed_from}" if trained.resumed_from else ""
     table.record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps{resumed})"))
     digest = trained.manifest_digest or read_manifest(trained.adapter_dir).digest()  # type: ignore[union-attr]
-    adapter = call("convert-lora", adapter_dir=str(trained.adapter_dir), out_dir=str(store / "adapters" / digest[:16]),
-                   base_dir=str(model_dir), serve_python=str(recipe.toolchains.serve.python))
+    adapter = call("convert-lora", adapter_dir=str(trained.adapter_dir),
+                   out_dir=str(recipe.store.layout.adapter(digest[:16])), base_dir=str(model_dir),
+                   serve_python=str(recipe.toolchains.serve.python))
     table.record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank})")
     _quantize_int8(recipe, call, bf16_dir or source.path, table)
 

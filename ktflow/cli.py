@@ -325,7 +325,7 @@ def _sft_dry_run(recipe, host, *, as_json: bool) -> int:
     run_dir = run_dir_for(recipe, key).absolute()
     plan = render_sft(
         recipe, model_dir=model_dir,
-        dataset_dir=(recipe.store.root / "datasets" / f"{recipe.dataset.name}-{data[:12]}").absolute(),
+        dataset_dir=recipe.store.layout.dataset(f"{recipe.dataset.name}-{data[:12]}").absolute(),
         output_dir=run_dir / "output", config_dir=run_dir, train_python=recipe.toolchains.train.python.absolute(),
         physical_cores=host.physical_cores, model_config=model_config,
     )
@@ -396,7 +396,7 @@ def _served_adapter(recipe, model_dir: Path) -> Path:
 
     trained = locate_adapter(recipe, model_dir)
     digest = read_manifest(trained).digest()  # type: ignore[union-attr]
-    return convert_lora(trained, recipe.store.root / "adapters" / digest[:16], base_dir=model_dir,
+    return convert_lora(trained, recipe.store.layout.adapter(digest[:16]), base_dir=model_dir,
                         serve_python=recipe.toolchains.serve.python).path
 
 
@@ -436,7 +436,7 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
     from ktflow.weights import expected_training_weights
 
     model_dir = expected_training_weights(recipe).absolute()
-    adapter = (recipe.store.root / "adapters" / "<trained adapter>").absolute()
+    adapter = recipe.store.layout.adapter("<trained adapter>").absolute()
     if recipe.serving.backend == "llamafactory":
         from ktflow.serve import render_llamafactory_api
 
@@ -594,7 +594,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                 f"export {recipe.serving.api_key_env}=<the server's key>")
     result = evaluate_base_vs_tuned(recipe, model_dir=ensure_training_weights(recipe), tuned_url=args.endpoint,
                                     tuned_model=adapter_model_name(recipe), api_key=key,
-                                    out_dir=(recipe.store.root / "eval" / recipe.name / "endpoint").absolute(),
+                                    out_dir=recipe.store.layout.evaluation(recipe.name).absolute(),
                                     log=lambda line: err.print(line, markup=False, highlight=False))
     out.print(result.table, markup=False)
     overlap = result.contamination

@@ -77,7 +77,7 @@ from ktflow.runner import (
     find_published,
     run_stage,
 )
-from ktflow.store import FileEntry, StageManifest
+from ktflow.store import FileEntry, StageManifest, StoreLayout
 from ktflow.units import human_bytes
 
 __all__ = [
@@ -99,7 +99,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STAGE = "download"
-WEIGHTS_DIR = "weights"
 # huggingface_hub's per-local_dir bookkeeping (download metadata, locks, tree listing cache,
 # orphaned .incomplete files). Needed to resume; removed before publishing, see _finalize_staging.
 HF_BOOKKEEPING = Path(".cache") / "huggingface"
@@ -344,7 +343,7 @@ def _prepare_hub(request: DownloadRequest) -> _HubJob:
     sha = resolve_revision(repo_id, request.source.revision, token=request.token, endpoint=request.endpoint,
                            max_retries=request.max_retries)
     patterns = _normalize_patterns(request.source.allow_patterns)
-    final = Path(request.store_root) / WEIGHTS_DIR / _hub_dir_name(repo_id, sha, patterns)
+    final = StoreLayout(request.store_root).weights(_hub_dir_name(repo_id, sha, patterns))
     return _HubJob(request=request, target=final, revision=sha, repo_id=repo_id, patterns=patterns,
                    settings={"repo_id": repo_id, "revision": sha, "allow_patterns": patterns})
 
@@ -532,7 +531,7 @@ def _prepare_local(request: DownloadRequest) -> _LocalJob:
         "sample_bytes": SAMPLE_BYTES,
         "total_bytes": sum(sizes.values()),
     }
-    return _LocalJob(request=request, target=Path(request.store_root) / WEIGHTS_DIR / revision, revision=revision,
+    return _LocalJob(request=request, target=StoreLayout(request.store_root).weights(revision), revision=revision,
                      settings={"identity": identity, "allow_patterns": patterns}, src=src, identity=identity,
                      sizes=sizes, extra=extra)
 
@@ -673,7 +672,7 @@ def _prepare_uri(request: DownloadRequest) -> _UriJob:
     # ETag, md5, generation or mtime), so a cache check costs one listing, not a copy.
     identity = _digest_json({"uri": uri, "allow_patterns": patterns, "files": [[r, *listing[r]] for r in rels]})
     revision = f"uri-{identity[:16]}"
-    return _UriJob(request=request, target=Path(request.store_root) / WEIGHTS_DIR / revision, revision=revision,
+    return _UriJob(request=request, target=StoreLayout(request.store_root).weights(revision), revision=revision,
                    settings={"uri": uri, "allow_patterns": patterns, "identity": identity}, uri=uri, fs=fs, root=root,
                    rels=rels, listing=listing)
 

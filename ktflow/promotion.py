@@ -51,7 +51,7 @@ Log = Callable[[str], None] | None
 
 def serving_dir(recipe: Recipe) -> Path:
     """Where the recipe's production endpoint is recorded (``endpoint.json``, its log and key)."""
-    return (recipe.store.root / "serving" / recipe.name).absolute()
+    return recipe.store.layout.serving(recipe.name).absolute()
 
 
 def registry_of(recipe: Recipe) -> AdapterRegistry:
@@ -434,7 +434,7 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     candidate = registry.get(version)
     production = _serving_now(record_dir)
     production_version = registry.production().version if production is not None else None
-    out_dir = (recipe.store.root / "eval" / recipe.name / f"v{version}").absolute()
+    out_dir = recipe.store.layout.evaluation(recipe.name, version).absolute()
     sizes = measure_serve(serve_model_dir, kt_weight_dir)
     choice = choose_candidate_mode(recipe, sizes, host or probe_host(recipe.store.root),
                                    production_running=production is not None)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ktflow.errors import RecipeError
 from ktflow.runner import ToolchainNeed, check_toolchain
+from ktflow.store import StoreLayout
 
 SourceFormat = Literal["kimi-k2.5-int4", "kimi-k2-int4", "deepseek-v3-fp8", "bf16"]
 INT4_FORMATS: frozenset[str] = frozenset({"kimi-k2.5-int4", "kimi-k2-int4"})
@@ -582,6 +583,11 @@ class StoreConfig(_Strict):
     """Where stage artifacts live (shared storage when stages run on several hosts)."""
 
     root: Path = Path(".ktflow/store")
+
+    @property
+    def layout(self) -> StoreLayout:
+        """Where each artifact lives under :attr:`root`."""
+        return StoreLayout(self.root)
 
 
 class Toolchain(_Strict):

@@ -32,9 +32,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from ktflow.errors import InvalidInputError
-from ktflow.store import atomic_write_json, read_manifest
+from ktflow.store import StoreLayout, atomic_write_json, read_manifest
 
-REGISTRY_DIR = "registry"
 PRODUCTION_FILE = "production.json"
 PENDING_FILE = "pending-move.json"
 JUDGING_MOVE = "swap mode: serving the candidate to judge it"  # a move that does not make a version production
@@ -135,7 +134,7 @@ class AdapterRegistry:
 
     def __init__(self, store_root: Path, recipe_name: str) -> None:
         self.recipe = recipe_name
-        self.root = (Path(store_root) / REGISTRY_DIR / recipe_name).absolute()
+        self.root = StoreLayout(store_root).registry(recipe_name).absolute()
 
     # ------------------------------------------------------------------ reading
 

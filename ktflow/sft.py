@@ -314,7 +314,7 @@ def run_key(recipe: Recipe, *, base_digest: str, data_digest: str) -> str:
 
 
 def run_dir_for(recipe: Recipe, key: str) -> Path:
-    return recipe.store.root / "runs" / f"{recipe.name}-{key[:12]}"
+    return recipe.store.layout.run(f"{recipe.name}-{key[:12]}")
 
 
 def _checkpoint_step(path: Path) -> int:
@@ -649,7 +649,7 @@ def _launch_in(job: _Job) -> tuple[list[str], dict[str, str]]:
     assert python is not None
     template_model = job.model_dir if recipe.sft.template == "empty" else None
     dataset = prepare_dataset(
-        recipe.dataset, (recipe.store.root / "datasets" / f"{recipe.dataset.name}-{job.data_digest[:12]}").absolute(),
+        recipe.dataset, recipe.store.layout.dataset(f"{recipe.dataset.name}-{job.data_digest[:12]}").absolute(),
         template=recipe.sft.template, model_dir=template_model,
     )
     plan = render_sft(recipe, model_dir=job.model_dir, dataset_dir=dataset.dataset_dir, output_dir=job.output_dir,

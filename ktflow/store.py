@@ -61,6 +61,57 @@ _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 _NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
+
+class StoreLayout:
+    """Where every artifact lives under a store root: the one place that spells store paths.
+
+    ::
+
+        weights/<source>            download: a hub snapshot (<repo>@<sha>...) or a local copy's revision
+        bf16/<checkpoint digest>    dequantize
+        int8/<bf16 name>-tp<T>      quantize-int8
+        datasets/<name>-<digest>    the dataset as LlamaFactory reads it
+        runs/<recipe>-<key>         an SFT run: checkpoints, logs, the adapter
+        adapters/<sft digest[:16]>  convert-lora: the adapter a server loads
+        registry/<recipe>/          adapter versions and the production pointer (ktflow.registry)
+        eval/<recipe>/v<N>/         a candidate's evaluation; eval/<recipe>/endpoint/: ``ktflow eval``
+        serving/<recipe>/           the production endpoint's record, log and key
+
+    Paths keep the root as given (relative roots stay relative, as the CLI prints them).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def weights(self, name: str) -> Path:
+        return self.root / "weights" / name
+
+    def bf16(self, key: str) -> Path:
+        return self.root / "bf16" / key
+
+    def int8(self, name: str) -> Path:
+        return self.root / "int8" / name
+
+    def dataset(self, name: str) -> Path:
+        return self.root / "datasets" / name
+
+    def run(self, name: str) -> Path:
+        return self.root / "runs" / name
+
+    def adapter(self, name: str) -> Path:
+        return self.root / "adapters" / name
+
+    def registry(self, recipe: str) -> Path:
+        return self.root / "registry" / recipe
+
+    def evaluation(self, recipe: str, version: int | None = None) -> Path:
+        """A candidate version's evaluation, or (None) ``ktflow eval``'s of a running endpoint."""
+        return self.root / "eval" / recipe / (f"v{version}" if version is not None else "endpoint")
+
+    def serving(self, recipe: str) -> Path:
+        return self.root / "serving" / recipe
+
+
 class FileEntry(BaseModel):
     """One file of an artifact, relative to its directory."""
 

@@ -15,7 +15,7 @@ from ktflow.recipe import Recipe, as_weights_reader, needs_bf16_weights
 
 def bf16_dir_for(recipe: Recipe, source_dir: Path) -> Path:
     """Where the dequantize stage publishes the BF16 copy of ``source_dir``."""
-    return recipe.store.root / "bf16" / checkpoint_digest(source_dir)[:16]
+    return recipe.store.layout.bf16(checkpoint_digest(source_dir)[:16])
 
 
 def ensure_source(recipe: Recipe, *, token: str | None = None) -> Path:
@@ -57,7 +57,7 @@ def expected_training_weights(recipe: Recipe) -> Path:
         return base
     if (base / "config.json").exists():
         return bf16_dir_for(recipe, base)
-    return recipe.store.root / "bf16" / "pending"
+    return recipe.store.layout.bf16("pending")
 
 
 def expected_source(recipe: Recipe) -> Path:
@@ -66,15 +66,15 @@ def expected_source(recipe: Recipe) -> Path:
     if source.local_path is not None:
         return source.local_path
     if source.repo_id is not None:
-        return recipe.store.root / "weights" / f"{source.repo_id.replace('/', '--')}@{source.revision}"
-    return recipe.store.root / "weights" / "uri-pending"
+        return recipe.store.layout.weights(f"{source.repo_id.replace('/', '--')}@{source.revision}")
+    return recipe.store.layout.weights("uri-pending")
 
 
 def int8_dir_for(recipe: Recipe, bf16_dir: Path) -> Path:
     """Where the quantize-int8 stage publishes the AMXINT8 weights of ``bf16_dir``."""
     from ktflow.recipe import int8_threadpool_count
 
-    return recipe.store.root / "int8" / f"{Path(bf16_dir).name}-tp{int8_threadpool_count(recipe)}"
+    return recipe.store.layout.int8(f"{Path(bf16_dir).name}-tp{int8_threadpool_count(recipe)}")
 
 
 def serving_weights(recipe: Recipe, *, source_dir: Path, bf16_dir: Path | None) -> tuple[Path, Path | None]:
