@@ -43,7 +43,8 @@ from ktflow import ENGINE_VERSION
 from ktflow.checkpoint import checkpoint_digest, inspect_checkpoint, read_weight_map
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
 from ktflow.process import run_tool
-from ktflow.runner import DiskNeed, Job, Resources, StageSpec, find_published, run_stage
+from ktflow.resources import DiskNeed, Resources
+from ktflow.runner import Job, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.sft import ADAPTER_FILES, tool_versions
 from ktflow.store import StageManifest

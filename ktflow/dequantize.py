@@ -42,7 +42,8 @@ from ktflow.checkpoint import (
     read_weight_map,
 )
 from ktflow.errors import CheckpointError, InvalidInputError, KtflowError
-from ktflow.runner import DiskNeed, Job, Progress, Resources, StageSpec, find_published, run_stage
+from ktflow.resources import DiskNeed, Resources
+from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsHeader,

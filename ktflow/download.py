@@ -67,16 +67,8 @@ from ktflow.errors import (
     SourceAccessError,
 )
 from ktflow.recipe import SourceConfig
-from ktflow.runner import (
-    DiskNeed,
-    Job,
-    Progress,
-    Resources,
-    StageSpec,
-    damaged_files,
-    find_published,
-    run_stage,
-)
+from ktflow.resources import DiskNeed, Resources
+from ktflow.runner import Job, Progress, StageSpec, damaged_files, find_published, run_stage
 from ktflow.store import FileEntry, StageManifest, StoreLayout
 from ktflow.units import human_bytes
 

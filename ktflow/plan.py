@@ -28,7 +28,7 @@ from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.errors import InvalidInputError
 from ktflow.hardware import HostInfo
 from ktflow.recipe import ModelFacts, Recipe
-from ktflow.runner import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
+from ktflow.resources import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.sizing import ModelSize, hub_model_size, model_size
 from ktflow.stages import host_requirements, plan_stages
 from ktflow.units import GB, GiB
@@ -254,7 +254,7 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
 
 def _check_fit(line: StageEstimate, host: HostInfo, ram: RamNeed | None, gpu: GpuNeed | None) -> None:
     """What of ``line`` does not fit ``host``: RAM and GPU memory as the stages' preflights word and
-    check them (:func:`~ktflow.runner.ram_shortfall`, :func:`~ktflow.runner.gpu_shortfall`); disk
+    check them (:func:`~ktflow.resources.ram_shortfall`, :func:`~ktflow.resources.gpu_shortfall`); disk
     against the host's free-disk figure (a plan may be for another host, whose filesystem is not here)."""
     if ram is not None:
         line.ram_bytes = ram.bytes

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from ktflow.errors import HostRequirementError
 from ktflow.hardware import CpuVariant, HostInfo, variant_at_least
-from ktflow.runner import INT8_KERNELS, STAGE_ORDER, StageName
+from ktflow.resources import INT8_KERNELS, STAGE_ORDER, StageName
 
 
 class WorkPoolSpec(BaseModel):

@@ -104,7 +104,7 @@ def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_r
     ``production_running``: production's memory is already in use on ``host`` (a live endpoint);
     else (a plan) it is added to the candidate's.
     """
-    from ktflow.runner import RamNeed, gpu_shortfall, ram_shortfall
+    from ktflow.resources import RamNeed, gpu_shortfall, ram_shortfall
     from ktflow.serve import candidate_needs, serve_needs
 
     production = serve_needs(recipe, sizes)

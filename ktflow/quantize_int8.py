@@ -70,17 +70,8 @@ from ktflow.checkpoint import (
 )
 from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError, ToolError
 from ktflow.process import run_tool
-from ktflow.runner import (
-    INT8_KERNELS,
-    DiskNeed,
-    Job,
-    Progress,
-    RamNeed,
-    Resources,
-    StageSpec,
-    find_published,
-    run_stage,
-)
+from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
+from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
 from ktflow.units import GiB

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ktflow.errors import RecipeError
-from ktflow.runner import ToolchainNeed, check_toolchain
+from ktflow.resources import ToolchainNeed, check_toolchain
 from ktflow.store import StoreLayout
 
 SourceFormat = Literal["kimi-k2.5-int4", "kimi-k2-int4", "deepseek-v3-fp8", "bf16"]
@@ -608,7 +608,7 @@ class Toolchain(_Strict):
         return self.python.absolute()
 
     def need(self, field: str, holds: str, make_target: str) -> ToolchainNeed:
-        """This environment as a stage's declared need (:class:`~ktflow.runner.Resources`)."""
+        """This environment as a stage's declared need (:class:`~ktflow.resources.Resources`)."""
         return ToolchainNeed(python=self.python.absolute(), field=field, what=holds, make_target=make_target)
 
 

@@ -81,7 +81,7 @@ from ktflow.process import (
     terminate_tree,
 )
 from ktflow.recipe import Recipe
-from ktflow.runner import GpuNeed, RamNeed, Resources, preflight
+from ktflow.resources import GpuNeed, RamNeed, Resources, preflight
 from ktflow.sizing import ModelSize, model_size
 from ktflow.stages import host_requirements
 from ktflow.store import atomic_write_bytes, atomic_write_json, read_manifest

@@ -35,18 +35,8 @@ from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
 from ktflow.hardware import HostInfo
 from ktflow.process import LogFollower, ThrottledLines, run_tool
 from ktflow.recipe import Recipe, with_sft_backend
-from ktflow.runner import (
-    DiskNeed,
-    GpuNeed,
-    Job,
-    RamNeed,
-    Resources,
-    StageSpec,
-    ToolchainNeed,
-    check_requirement,
-    find_published,
-    run_stage,
-)
+from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed, check_requirement
+from ktflow.runner import Job, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import read_header
 from ktflow.sizing import (
     HF_DOES_NOT_FIT_FIX,

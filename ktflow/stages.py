@@ -1,7 +1,7 @@
 """The pipeline's stages, which of them a recipe needs, and what each needs of a host.
 
 This is the one place where what a recipe asks of each stage's host is written down (the stage
-names, their order and the host-requirement type are :mod:`ktflow.runner`'s). ``ktflow doctor``
+names, their order and the host-requirement type are :mod:`ktflow.resources`'s). ``ktflow doctor``
 reads it to say whether this host can run a recipe; the stage flows re-check it on the host that
 picked a run up.
 """
@@ -19,13 +19,7 @@ from ktflow.recipe import (
     needs_bf16_weights,
     needs_int8_weights,
 )
-from ktflow.runner import (  # the stage vocabulary lives with the runner; re-exported for the planners' callers
-    INT8_KERNELS,
-    STAGE_ORDER,
-    HostRequirement,
-    StageName,
-    check_requirement,
-)
+from ktflow.resources import INT8_KERNELS, STAGE_ORDER, HostRequirement, StageName, check_requirement
 
 __all__ = [
     "INT8_KERNELS", "STAGE_ORDER", "HostRequirement", "StageCheck", "StageName", "StagePlan", "StageSkipped",

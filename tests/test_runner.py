@@ -14,19 +14,8 @@ from ktflow.dequantize import DEQUANTIZE, DequantizeRequest, DequantizeSizes
 from ktflow.errors import HostRequirementError, InsufficientDiskError, InvalidInputError, KtflowError
 from ktflow.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.quantize_int8 import QUANTIZE_INT8, QuantizeInt8Request, QuantizeInt8Sizes
-from ktflow.runner import (
-    INT8_KERNELS,
-    DiskNeed,
-    GpuNeed,
-    HostRequirement,
-    Job,
-    RamNeed,
-    Resources,
-    StageSpec,
-    find_published,
-    preflight,
-    run_stage,
-)
+from ktflow.resources import INT8_KERNELS, DiskNeed, GpuNeed, HostRequirement, RamNeed, Resources, preflight
+from ktflow.runner import Job, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, lock_path_for, read_manifest, staging_dir_for
 
 GiB = 1 << 30

@@ -283,7 +283,7 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
 
 def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
     from ktflow.hardware import NumaNode
-    from ktflow.runner import shortfalls
+    from ktflow.resources import shortfalls
     from ktflow.sft import sft_needs
     from ktflow.sizing import ModelSize
 
