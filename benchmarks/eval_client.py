@@ -76,7 +76,7 @@ def overrides(work: Path, steps: int) -> list[str]:
 def job_prepare(work: Path, n: int, steps: int) -> dict[str, Any]:
     from ktflow.demo import write_demo_dataset
     from ktflow.fixtures import FixtureSpec, make_fixture
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.recipe import load_recipe
     from ktflow.sft import run_sft
 

@@ -109,7 +109,7 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
 
     recipe = load_recipe(REPO / RECIPE, overrides)
     t = lap("load recipe + overrides", t)
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
 
     host = probe_host(recipe.store.root)
     t = lap("probe_host", t)

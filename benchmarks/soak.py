@@ -70,7 +70,7 @@ def job_prepare(work: Path, steps: int) -> dict[str, Any]:
     """In a child: the fixture, the data and the adapter."""
     from ktflow.demo import write_demo_dataset
     from ktflow.fixtures import FixtureSpec, make_fixture
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.recipe import load_recipe
     from ktflow.sft import run_sft
 

@@ -12,7 +12,7 @@ what follows it, never download or dequantize.
 The DAG is written once (:func:`run_pipeline`) against a ``call(stage, **parameters)``
 function. The embedded flow calls the stage's task in this process. The distributed flow
 (``ktflow-dispatch``) runs each stage as a child run of the stage's deployment, on the work
-pool that ``ktflow.pools`` routes it to, and passes paths plus manifest digests (never
+pool that ``ktflow.host.pools`` routes it to, and passes paths plus manifest digests (never
 tensors) over the shared store.
 """
 
@@ -36,8 +36,8 @@ from flows.stages import STAGE_FLOWS, STAGE_TASKS
 from ktflow.dataset import validate_dataset
 from ktflow.errors import InvalidInputError, NoWorkerError, PromotionGateError, StageFailedError
 from ktflow.evaluate import refuse_contaminated_gate
-from ktflow.hardware import HostInfo, probe_host
-from ktflow.pools import WorkPoolSpec, pool_for_stage
+from ktflow.host.hardware import HostInfo, probe_host
+from ktflow.host.pools import WorkPoolSpec, pool_for_stage
 from ktflow.promotion import registry_of
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.sft import check_hf_fits_gpus

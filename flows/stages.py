@@ -27,14 +27,14 @@ from ktflow.convert_lora import ConvertLoraResult
 from ktflow.dequantize import DequantizeResult
 from ktflow.download import DownloadResult
 from ktflow.errors import HostRequirementError
-from ktflow.hardware import probe_host
+from ktflow.host.hardware import probe_host
+from ktflow.host.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
 from ktflow.promotion import Judgement
 from ktflow.quantize_int8 import QuantizeInt8Result
 from ktflow.recipe import Recipe, SourceConfig
 from ktflow.serve import Endpoint
 from ktflow.sft import SftResult
 from ktflow.stages import StageName, StageSkipped, check_requirement, host_requirements
-from ktflow.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
 from tasks.convert_lora import convert_lora_task
 from tasks.dequantize import dequantize_task
 from tasks.download import download_task

@@ -58,7 +58,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
 
     recipe = _load(args) if args.recipe else None
     host = probe_host(recipe.store.root if recipe else None)
@@ -116,7 +116,7 @@ def _with_plan_problems(checks: list, recipe, host) -> list:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.plan import load_host, plan_recipe
 
     recipe = _load(args)
@@ -259,7 +259,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
 
     recipe = _load(args)
     host = probe_host(recipe.store.root)
@@ -445,7 +445,7 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
                                                    config_dir=record_dir)
         document = {"argv": argv, "env": env, "infer_config": infer}
     else:
-        from ktflow.hardware import probe_host
+        from ktflow.host.hardware import probe_host
         from ktflow.sglang_launch import render_sglang_launch
         from ktflow.weights import expected_source, serving_weights
 
@@ -454,7 +454,7 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
         assert weights is not None
         # The command is for the GPU serving host, not necessarily this one: render it for a host
         # with the GPUs and cores the recipe asks for (the real host is checked at launch).
-        from ktflow.hardware import GpuInfo
+        from ktflow.host.hardware import GpuInfo
 
         here = probe_host(recipe.store.root)
         serving_host = here.model_copy(update={
@@ -636,7 +636,7 @@ def _embedded_prefect(verbose: bool) -> None:
     if not os.environ.get("PREFECT_API_URL") and _API_GUARDIAN is None:
         # Prefect stops its ephemeral API server (a uvicorn subprocess) only at a clean exit: after
         # a SIGKILL of ktflow it would live on. The server inherits this marker; the guardian stops it.
-        from ktflow.process import EMBEDDED_API_MARKER, guard_descendants
+        from ktflow.host.process import EMBEDDED_API_MARKER, guard_descendants
 
         _API_GUARDIAN = guard_descendants(EMBEDDED_API_MARKER)
 
@@ -745,11 +745,11 @@ def _print_side_by_side(report_json: Path) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Start a Prefect worker on every pool this host qualifies for (or the ones asked for)."""
-    from ktflow.hardware import probe_host
-    from ktflow.worker import choose_pools, pool_verdicts, run_workers, worker_launches
+    from ktflow.host.hardware import probe_host
+    from ktflow.host.worker import choose_pools, pool_verdicts, run_workers, worker_launches
 
     if args.create_pools:
-        from ktflow.worker import create_pools
+        from ktflow.host.worker import create_pools
 
         create_pools(log=lambda line: err.print(line))
         return 0

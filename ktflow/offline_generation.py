@@ -4,7 +4,7 @@ in the training toolchain, through the driver :mod:`ktflow._drivers.offline_chat
 The driver gets the same LlamaFactory inference args the CPU endpoint gets
 (:func:`ktflow.serve.render_llamafactory_api`'s third element) and turns each OpenAI-style request
 into the ``ChatModel.chat`` call that ``llamafactory-cli api`` makes for it, so at temperature 0
-an offline answer is the served endpoint's answer. The tool run is a :func:`ktflow.process.run_tool`
+an offline answer is the served endpoint's answer. The tool run is a :func:`ktflow.host.process.run_tool`
 child: it is stopped with its whole tree if the caller fails, times out, is cancelled or dies.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from ktflow._drivers import offline_chat as driver
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError, OfflineGenerationError, ToolError
-from ktflow.process import ThrottledLines, run_tool
+from ktflow.host.process import ThrottledLines, run_tool
 from ktflow.store import atomic_write_json
 
 PLAN_NAME = "offline-plan.json"

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.errors import InvalidInputError
-from ktflow.hardware import HostInfo
+from ktflow.host.hardware import HostInfo
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.resources import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.sizing import ModelSize, hub_model_size, model_size

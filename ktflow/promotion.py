@@ -100,7 +100,7 @@ def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_r
     production on ``host``, ``offline`` when generation through the training toolchain does, else
     ``swap``; never silently: the reason says which and why.
 
-    ``sizes``: :class:`~ktflow.serve.ServeSizes`; ``host``: a :class:`~ktflow.hardware.HostInfo`.
+    ``sizes``: :class:`~ktflow.serve.ServeSizes`; ``host``: a :class:`~ktflow.host.hardware.HostInfo`.
     ``production_running``: production's memory is already in use on ``host`` (a live endpoint);
     else (a plan) it is added to the candidate's.
     """
@@ -424,7 +424,7 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     The report goes to ``<store>/eval/<recipe>/v<N>/``.
     """
     from ktflow.evaluate import Candidate, EvaluationResult, evaluate_candidate
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.serve import measure_serve, resolve_api_key
 
     registry = registry_of(recipe)

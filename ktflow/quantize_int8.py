@@ -69,7 +69,7 @@ from ktflow.checkpoint import (
     read_weight_map,
 )
 from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError, ToolError
-from ktflow.process import run_tool
+from ktflow.host.process import run_tool
 from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.safetensors_io import SafetensorsHeader, read_header

@@ -18,9 +18,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ktflow import hardware, store
+from ktflow import store
 from ktflow.errors import HostRequirementError, InvalidInputError
-from ktflow.hardware import HostInfo, variant_at_least
+from ktflow.host import hardware
+from ktflow.host.hardware import HostInfo, variant_at_least
 from ktflow.units import GiB, gib
 
 StageName = Literal["download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate"]

@@ -54,7 +54,7 @@ from typing import Any, Generic, TypeVar
 
 from ktflow import store
 from ktflow.errors import InvalidInputError
-from ktflow.hardware import HostInfo
+from ktflow.host.hardware import HostInfo
 from ktflow.resources import Resources, StageName, preflight
 from ktflow.store import StageManifest
 

@@ -38,7 +38,7 @@ its environment (``KTFLOW_SERVER_RUN``) lets :func:`stop` also find anything it 
 with ``state: starting`` is written as soon as the process exists, so a crash of the
 orchestrator during the start never leaves an unrecorded server holding the port. Until the
 server is ready (health gate and smoke test passed, ``state: ready`` recorded) a
-:class:`ktflow.process.Guardian` watches the orchestrator: if it dies during the start (SIGKILL
+:class:`ktflow.host.process.Guardian` watches the orchestrator: if it dies during the start (SIGKILL
 included), the half-started server and everything carrying its marker are stopped, and the next
 :func:`serve` finds the stale ``starting`` record and clears it. Only a ready server outlives us.
 """
@@ -71,7 +71,7 @@ from ktflow.errors import (
     ServerStartError,
     SwapError,
 )
-from ktflow.process import (
+from ktflow.host.process import (
     EMBEDDED_API_MARKER,
     TERMINATE_GRACE_S,
     Guardian,
@@ -351,7 +351,7 @@ def start_server(
         die_with_parent: SIGKILL the server when the thread that started it exits (for servers
             scoped to one call; never for an endpoint meant to outlive the command).
         label: what the banner line written into the log before the start names.
-        guardian: a :class:`~ktflow.process.Guardian` for ``SERVER_MARKER=run_id`` that the
+        guardian: a :class:`~ktflow.host.process.Guardian` for ``SERVER_MARKER=run_id`` that the
             caller keeps armed past the return (until its own readiness steps are done) and
             disarms. Without one, a guardian of our own covers the start (if this process dies
             before the server is ready, the server is stopped) and is disarmed on return.
@@ -638,7 +638,7 @@ def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None,
                    record_dir: Path, port: int, host: Any) -> _Launch:
     """sglang-kt in the serving toolchain; the key reaches it through its environment (the launcher
     hands it to the parser in-process), readiness is /health."""
-    from ktflow.hardware import probe_host as probe_hardware
+    from ktflow.host.hardware import probe_host as probe_hardware
     from ktflow.sglang_launch import render_sglang_launch
 
     serving = recipe.serving

@@ -32,8 +32,8 @@ from ktflow import ENGINE_VERSION
 from ktflow.checkpoint import checkpoint_digest
 from ktflow.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
-from ktflow.hardware import HostInfo
-from ktflow.process import LogFollower, ThrottledLines, run_tool
+from ktflow.host.hardware import HostInfo
+from ktflow.host.process import LogFollower, ThrottledLines, run_tool
 from ktflow.recipe import Recipe, with_sft_backend
 from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed, check_requirement
 from ktflow.runner import Job, StageSpec, find_published, run_stage
@@ -367,7 +367,7 @@ def _adapter_from_checkpoint(ckpt: Path, output_dir: Path) -> None:
 
 
 def _trainer_records(callback: Callable[[TrainerProgress], None]) -> Callable[[str], None]:
-    """A :class:`~ktflow.process.LogFollower` callback: each ``trainer_log.jsonl`` record to ``callback``."""
+    """A :class:`~ktflow.host.process.LogFollower` callback: each ``trainer_log.jsonl`` record to ``callback``."""
 
     def on_line(line: str) -> None:
         try:
@@ -746,7 +746,7 @@ def run_sft(
 
     Args:
         model_dir: the base weights LlamaFactory loads (BF16, or the INT4 source for KT RAWINT4).
-        host: the host the run is checked against (:func:`ktflow.hardware.probe_host`).
+        host: the host the run is checked against (:func:`ktflow.host.hardware.probe_host`).
         progress: receives every record of LlamaFactory's trainer log.
         log: receives LlamaFactory's error lines (throttled).
         timeout_s: stop training after this long (a retry resumes).

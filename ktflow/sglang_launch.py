@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field
 
 from ktflow.checkpoint import inspect_checkpoint, load_config
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
-from ktflow.hardware import HostInfo
+from ktflow.host.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
 from ktflow.store import StageManifest, read_manifest
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ktflow.hardware import HostInfo
-from ktflow.pools import pool_for_stage
+from ktflow.host.hardware import HostInfo
+from ktflow.host.pools import pool_for_stage
 from ktflow.recipe import (
     Recipe,
     as_weights_reader,

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from ktflow.convert_lora import ConvertLoraResult, convert_lora
-from ktflow.process import ThrottledLines
+from ktflow.host.process import ThrottledLines
 from ktflow.store import read_manifest
 from tasks._common import StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 

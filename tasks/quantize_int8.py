@@ -9,7 +9,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from ktflow.checkpoint import checkpoint_digest
-from ktflow.hardware import probe_host
+from ktflow.host.hardware import probe_host
 from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
 from ktflow.stages import INT8_KERNELS, StageSkipped, check_requirement, deferral_reason
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input

@@ -58,7 +58,7 @@ def _this_host(rows: list[dict]) -> dict[str, dict]:
     import os
     import socket
 
-    from ktflow.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
+    from ktflow.host.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
 
     here = {"host": os.environ.get(HOST_NAME_ENV) or socket.gethostname(),
             "pool": os.environ.get(POOL_ENV) or "(in process)",

@@ -16,7 +16,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
-from ktflow.process import ThrottledLines
+from ktflow.host.process import ThrottledLines
 from ktflow.promotion import Judgement, judge_candidate, promote_version, registry_of
 from ktflow.promotion import serving_dir as serving_dir  # re-exported: where the endpoint is recorded
 from ktflow.recipe import Recipe

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from ktflow.errors import InvalidInputError
-from ktflow.hardware import probe_host
+from ktflow.host.hardware import probe_host
 from ktflow.recipe import Recipe
 from ktflow.run_report import image_markdown
 from ktflow.sft import SftResult, TrainerProgress, locate_adapter, run_sft

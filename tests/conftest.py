@@ -37,7 +37,7 @@ def int8_kernels_missing() -> str | None:
     exactly where the product would refuse or skip: on a CPU without AVX512F + AVX512BW, or
     where KT_KERNEL_CPU_VARIANT forces kt-kernel's avx2 build.
     """
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.stages import INT8_KERNELS, check_requirement
 
     return "; ".join(check_requirement(INT8_KERNELS, probe_host())) or None

@@ -4,7 +4,7 @@ Each row of :data:`CATALOG` is a :class:`Case`: an id, the area it belongs to (r
 checkpoint, dataset, adapter, environment), a builder that makes the bad input under the test's
 own directory and returns the call a user would make (a ``ktflow`` command, run as a
 subprocess; or, where the bad fact is about the host and cannot be made real, the engine
-function with a constructed :class:`~ktflow.hardware.HostInfo`), the substrings that must name
+function with a constructed :class:`~ktflow.host.hardware.HostInfo`), the substrings that must name
 the thing that is wrong (field, file, tensor, record line) and the substrings of the fix.
 
 For every row :func:`test_bad_input_is_refused_cleanly` asserts:
@@ -44,7 +44,7 @@ from test_convert_lora import make_kt_adapter
 from test_dequantize import corrupt_header_offsets, corrupt_missing_companion, corrupt_scale_dtype, corrupt_truncate
 
 from ktflow.errors import HostRequirementError, InvalidInputError
-from ktflow.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ktflow.hardware import detect_cpu_variant, probe_host
+from ktflow.host.hardware import detect_cpu_variant, probe_host
 
 REPO = Path(__file__).resolve().parent.parent
 

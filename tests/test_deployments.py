@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from ktflow.errors import HostRequirementError
-from ktflow.hardware import HostInfo, NumaNode
-from ktflow.pools import CONTROL_POOL, WORK_POOLS, pool_for_stage
+from ktflow.host.hardware import HostInfo, NumaNode
+from ktflow.host.pools import CONTROL_POOL, WORK_POOLS, pool_for_stage
+from ktflow.host.worker import WorkerLaunch, choose_pools, run_workers, worker_launches
 from ktflow.stages import STAGE_ORDER
-from ktflow.worker import WorkerLaunch, choose_pools, run_workers, worker_launches
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
@@ -216,7 +216,7 @@ def test_supervised_workers_stop_on_sigterm() -> None:
     script = (
         "import sys; sys.path.insert(0, %r)\n"
         "from tests.test_deployments import _sleeper\n"
-        "from ktflow.worker import run_workers\n"
+        "from ktflow.host.worker import run_workers\n"
         "print('up', flush=True)\n"
         "sys.exit(run_workers([_sleeper('a'), _sleeper('b')], log=lambda line: None))\n" % str(REPO)
     )

@@ -451,7 +451,7 @@ import sys
 from pathlib import Path
 from ktflow.demo import write_demo_dataset
 from ktflow.errors import HostRequirementError
-from ktflow.hardware import probe_host
+from ktflow.host.hardware import probe_host
 from ktflow.recipe import load_recipe
 from ktflow.sft import run_sft
 root, model, store, python, recipe_file = (Path(a) for a in sys.argv[1:6])

@@ -1,4 +1,4 @@
-"""Tests of ktflow.hardware: kt-kernel's CPU-variant rule, the parsers, and a live probe."""
+"""Tests of ktflow.host.hardware: kt-kernel's CPU-variant rule, the parsers, and a live probe."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ktflow.hardware import (
+from ktflow.host.hardware import (
     VARIANT_ORDER,
     HostInfo,
     detect_cpu_variant,

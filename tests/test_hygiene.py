@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from ktflow.errors import KtflowError, ToolTimeout
-from ktflow.process import EMBEDDED_API_MARKER, TOOL_MARKER, run_tool
+from ktflow.host.process import EMBEDDED_API_MARKER, TOOL_MARKER, run_tool
 from ktflow.serve import SERVER_MARKER, free_port, read_endpoint, stop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,7 +198,7 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: P
 
 _ORCHESTRATOR = """
 import sys
-from ktflow.process import run_tool
+from ktflow.host.process import run_tool
 run_tool([sys.executable, sys.argv[1]], grace_s=5)
 """
 
@@ -380,7 +380,7 @@ def test_ktflow_stage_commands_interrupted_or_killed_mid_tool_leave_nothing(
 @pytest.mark.slow
 def test_sft_past_its_timeout_stops_llamafactory_and_raises_ours(tmp_path: Path, fixture_dir, trees: list[Tree]) -> None:
     from ktflow.demo import write_demo_dataset
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.recipe import load_recipe
     from ktflow.sft import run_sft
 
@@ -535,7 +535,7 @@ def test_a_ready_server_outlives_its_killed_orchestrator_until_stopped(tmp_path:
 _FLOW = """
 import os, sys, time
 from prefect import flow, task
-from ktflow.process import run_tool
+from ktflow.host.process import run_tool
 
 timeout = float(os.environ["HYGIENE_TASK_TIMEOUT"]) if os.environ.get("HYGIENE_TASK_TIMEOUT") else None
 

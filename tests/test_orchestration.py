@@ -175,7 +175,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 
 def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: bool) -> None:
-    from ktflow.pools import pool_for_stage
+    from ktflow.host.pools import pool_for_stage
 
     done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
                                  json.dumps({"recipe": setup.recipe()}), "--watch", timeout=900)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ktflow.costs import hf_step_seconds, kt_step_seconds
-from ktflow.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.plan import load_host, plan_recipe, size_from_facts
 from ktflow.recipe import ModelFacts, load_recipe
 from ktflow.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from ktflow.errors import ToolError, ToolTimeout
-from ktflow.process import run_tool
+from ktflow.host.process import run_tool
 
 PY = sys.executable
 

@@ -140,7 +140,7 @@ def test_missing_toolchain_is_a_host_requirement(fixture_dir, tmp_path: Path) ->
 
 
 def test_too_little_ram_or_scratch_is_refused(fixture_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ktflow.hardware as hardware
+    import ktflow.host.hardware as hardware
     import ktflow.quantize_int8 as stage
 
     real = hardware.probe_host
@@ -161,7 +161,7 @@ def test_a_cpu_without_the_int8_kernels_is_refused_before_any_work(advertised: s
                                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # On every CPU: an AVX2 CPU, a fake AVX512 advertisement on one (kt-kernel would die on an
     # illegal instruction), and kt-kernel forced down to its avx2 build on an AMX CPU.
-    import ktflow.hardware as hardware
+    import ktflow.host.hardware as hardware
     import ktflow.quantize_int8 as stage
 
     real = hardware.probe_host

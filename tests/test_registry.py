@@ -83,7 +83,7 @@ def test_the_production_pointer_moves_keeps_its_history_and_knows_where_rollback
 
 
 def _host(ram_gib: float):
-    from ktflow.hardware import HostInfo, NumaNode
+    from ktflow.host.hardware import HostInfo, NumaNode
 
     ram = int(ram_gib * GiB)
     return HostInfo(hostname="box", cpu_model="test", cpu_flags=[], cpu_variant="avx512_bf16",

@@ -12,7 +12,7 @@ import pytest
 import ktflow.store as store
 from ktflow.dequantize import DEQUANTIZE, DequantizeRequest, DequantizeSizes
 from ktflow.errors import HostRequirementError, InsufficientDiskError, InvalidInputError, KtflowError
-from ktflow.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.quantize_int8 import QUANTIZE_INT8, QuantizeInt8Request, QuantizeInt8Sizes
 from ktflow.resources import INT8_KERNELS, DiskNeed, GpuNeed, HostRequirement, RamNeed, Resources, preflight
 from ktflow.runner import Job, StageSpec, find_published, run_stage

@@ -144,7 +144,7 @@ def test_the_key_is_not_in_the_rendered_server_config(tmp_path: Path, monkeypatc
 
 
 def test_a_non_loopback_sglang_server_without_a_key_is_refused(tmp_path: Path) -> None:
-    from ktflow.hardware import GpuInfo, probe_host
+    from ktflow.host.hardware import GpuInfo, probe_host
     from ktflow.sglang_launch import render_sglang_launch
 
     recipe = load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", ["serving.host=0.0.0.0"])

@@ -269,7 +269,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fixture_dir) -> Iterator[dic
     """A real adapter (SFT on the tiny bf16 fixture), the recipe, and a clean key environment."""
     if not TRAIN_PYTHON.exists():
         pytest.skip("training toolchain not installed (make train-env)")
-    from ktflow.hardware import probe_host
+    from ktflow.host.hardware import probe_host
     from ktflow.sft import run_sft
 
     saved = os.environ.pop("KTFLOW_API_KEY", None)  # the tuned server generates its key

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ktflow.hardware import GpuInfo, probe_host
+from ktflow.host.hardware import GpuInfo, probe_host
 from ktflow.recipe import load_recipe
 from ktflow.serve import api_key_for, serve, smoke_test, stop
 

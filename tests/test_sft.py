@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from ktflow.errors import DatasetError, HostRequirementError
-from ktflow.hardware import probe_host
+from ktflow.host.hardware import probe_host
 from ktflow.recipe import load_recipe
 from ktflow.sft import last_complete_checkpoint, render_sft, run_sft
 
@@ -282,7 +282,7 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
 
 
 def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
-    from ktflow.hardware import NumaNode
+    from ktflow.host.hardware import NumaNode
     from ktflow.resources import shortfalls
     from ktflow.sft import sft_needs
     from ktflow.sizing import ModelSize

@@ -13,7 +13,7 @@ import torch
 
 from ktflow.errors import HostRequirementError
 from ktflow.fixture_stream import BIGGER_THAN_GPU, MoeDims, plan_shards, shard_names
-from ktflow.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.recipe import load_recipe
 from ktflow.safetensors_io import header_bytes
 from ktflow.sft import check_hf_fits_gpus, run_sft
@@ -152,7 +152,7 @@ def test_the_refusal_comes_from_the_sum_of_the_gpus_used(big_model: Path, tmp_pa
 
 def test_doctor_says_the_same_for_the_recipe(big_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    import ktflow.hardware
+    import ktflow.host.hardware
     from ktflow.cli import main
     from ktflow.stages import check_recipe_on_host
 
@@ -164,7 +164,7 @@ def test_doctor_says_the_same_for_the_recipe(big_model: Path, tmp_path: Path, mo
                                                    gpu_host())}
     assert kt["sft"].runnable
 
-    monkeypatch.setattr(ktflow.hardware, "probe_host", lambda store=None: gpu_host())
+    monkeypatch.setattr(ktflow.host.hardware, "probe_host", lambda store=None: gpu_host())
     monkeypatch.chdir(tmp_path)  # the CLI works in the recipe's folder
     assert main(["doctor", "--recipe", str(recipe_file), "--json"]) == 2
     report = json.loads(capsys.readouterr().out)
@@ -185,11 +185,11 @@ def test_ktflow_sft_refuses_before_the_bf16_copy_is_made(big_model: Path, tmp_pa
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`backend: hf` on an INT4 source would dequantize to BF16 first (hours, 114 GB here): the
     refusal comes before that, from the source's headers."""
-    import ktflow.hardware
+    import ktflow.host.hardware
     from ktflow.cli import main
 
     recipe_file = write_recipe(tmp_path, big_model)
-    monkeypatch.setattr(ktflow.hardware, "probe_host", lambda store=None: gpu_host())
+    monkeypatch.setattr(ktflow.host.hardware, "probe_host", lambda store=None: gpu_host())
     monkeypatch.chdir(tmp_path)
     assert main(["sft", str(recipe_file)]) == 2
     err = capsys.readouterr().err

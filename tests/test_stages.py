@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ktflow.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.recipe import load_recipe
 from ktflow.stages import STAGE_ORDER, check_recipe_on_host, plan_stages
 

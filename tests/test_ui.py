@@ -175,7 +175,7 @@ def test_each_shipped_recipe_is_a_one_click_deployment_with_the_recipe_as_its_fo
 
 def test_the_pipeline_on_postgresql_completes_across_a_server_restart_in_the_middle_of_sft(
         setup: Setup, finished: dict, request: pytest.FixtureRequest) -> None:  # noqa: F811
-    from ktflow.pools import pool_for_stage
+    from ktflow.host.pools import pool_for_stage
 
     started = time.monotonic()
     parent = setup.start_pipeline(short_recipe(setup))

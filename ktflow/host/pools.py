@@ -13,7 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from ktflow.errors import HostRequirementError
-from ktflow.hardware import CpuVariant, HostInfo, variant_at_least
+from ktflow.host.hardware import CpuVariant, HostInfo, variant_at_least
 from ktflow.resources import INT8_KERNELS, STAGE_ORDER, StageName
 
 

@@ -1,6 +1,6 @@
 """``ktflow worker``: join the work pools this host qualifies for, one Prefect worker each.
 
-The host is probed (the same probe as ``ktflow doctor``), each pool of ``ktflow.pools`` is
+The host is probed (the same probe as ``ktflow doctor``), each pool of ``ktflow.host.pools`` is
 checked against it, and a ``prefect worker start --type process`` is started for every pool
 asked for (default: every pool the host qualifies for). A pool the host does not qualify for
 is refused with the reason, before anything starts. The workers' environment names the host,
@@ -24,8 +24,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from ktflow.errors import HostRequirementError, KtflowError
-from ktflow.hardware import HostInfo
-from ktflow.pools import WORK_POOLS, WorkPoolSpec, pool_named, pool_shortfalls
+from ktflow.host.hardware import HostInfo
+from ktflow.host.pools import WORK_POOLS, WorkPoolSpec, pool_named, pool_shortfalls
 
 HOST_NAME_ENV = "KTFLOW_HOST_NAME"
 POOL_ENV = "KTFLOW_POOL"
