@@ -124,7 +124,7 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     t = lap("ensure_training_weights (local bf16 source)", t)
     from ktflow.checkpoint import checkpoint_digest
     from ktflow.dataset import dataset_digest, prepare_dataset
-    from ktflow.stages import check_requirement, host_requirements
+    from ktflow.planning.stage_plan import check_requirement, host_requirements
 
     check_requirement(host_requirements(recipe)["sft"], host)
     model_config = json.loads((model_dir / "config.json").read_text())

@@ -38,10 +38,10 @@ from ktflow.errors import InvalidInputError, NoWorkerError, PromotionGateError, 
 from ktflow.evaluate import refuse_contaminated_gate
 from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.host.pools import WorkPoolSpec, pool_for_stage
+from ktflow.planning.stage_plan import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.promotion import registry_of
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.sft import check_hf_fits_gpus
-from ktflow.stages import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.store import read_manifest
 from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from tasks._common import retry_unless_invalid_input

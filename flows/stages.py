@@ -1,7 +1,7 @@
 """One flow per stage: what a stage deployment runs on the work pool that can run it.
 
 Each stage flow checks that the host which picked the run up can run this recipe's stage
-(``ktflow.stages.host_requirements``: fails in seconds, not hours in), records where it ran
+(``ktflow.planning.stage_plan.host_requirements``: fails in seconds, not hours in), records where it ran
 (host, pool, worker) as an artifact, and calls the stage's task: the task's cache policy,
 retries and artifacts are the same as in the embedded pipeline. Results are persisted so
 the parent on another host reads them back: set ``PREFECT_LOCAL_STORAGE_PATH`` to a folder
@@ -29,12 +29,12 @@ from ktflow.download import DownloadResult
 from ktflow.errors import HostRequirementError
 from ktflow.host.hardware import probe_host
 from ktflow.host.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
+from ktflow.planning.stage_plan import StageName, StageSkipped, check_requirement, host_requirements
 from ktflow.promotion import Judgement
 from ktflow.quantize_int8 import QuantizeInt8Result
 from ktflow.recipe import Recipe, SourceConfig
 from ktflow.serve import Endpoint
 from ktflow.sft import SftResult
-from ktflow.stages import StageName, StageSkipped, check_requirement, host_requirements
 from tasks.convert_lora import convert_lora_task
 from tasks.dequantize import dequantize_task
 from tasks.download import download_task

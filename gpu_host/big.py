@@ -252,8 +252,8 @@ def gpu_total_mib() -> int | None:
 def model_facts(model: Path) -> dict[str, Any]:
     """The checkpoint's size (ktflow's own header arithmetic) beside the GPU's, and the GPU memory
     ktflow estimates plain LoRA SFT of it needs (what ``ktflow sft`` refuses on)."""
+    from ktflow.planning.sizing import estimate_hf_sft_gpu_memory, model_size
     from ktflow.recipe import load_recipe
-    from ktflow.sizing import estimate_hf_sft_gpu_memory, model_size
 
     size = model_size(model)
     config = json.loads((model / "config.json").read_text())["text_config"]

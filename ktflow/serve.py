@@ -80,10 +80,10 @@ from ktflow.host.process import (
     reap_marked,
     terminate_tree,
 )
+from ktflow.planning.sizing import ModelSize, model_size
+from ktflow.planning.stage_plan import host_requirements
 from ktflow.recipe import Recipe
 from ktflow.resources import GpuNeed, RamNeed, Resources, preflight
-from ktflow.sizing import ModelSize, model_size
-from ktflow.stages import host_requirements
 from ktflow.store import atomic_write_bytes, atomic_write_json, read_manifest
 
 ENDPOINT_FILE = "endpoint.json"

@@ -34,11 +34,7 @@ from ktflow.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
 from ktflow.host.hardware import HostInfo
 from ktflow.host.process import LogFollower, ThrottledLines, run_tool
-from ktflow.recipe import Recipe, with_sft_backend
-from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed, check_requirement
-from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.safetensors_io import read_header
-from ktflow.sizing import (
+from ktflow.planning.sizing import (
     HF_DOES_NOT_FIT_FIX,
     ModelSize,
     estimate_hf_sft_gpu_memory,
@@ -48,7 +44,11 @@ from ktflow.sizing import (
     model_size,
     sft_gpu_memory_problem,
 )
-from ktflow.stages import host_requirements
+from ktflow.planning.stage_plan import host_requirements
+from ktflow.recipe import Recipe, with_sft_backend
+from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed, check_requirement
+from ktflow.runner import Job, StageSpec, find_published, run_stage
+from ktflow.safetensors_io import read_header
 from ktflow.store import StageManifest, atomic_write_bytes, read_manifest
 from ktflow.units import GiB
 
@@ -419,10 +419,10 @@ def measure_sft(model_dir: Path) -> ModelSize:
 def sft_needs(recipe: Recipe, size: ModelSize) -> Resources:
     """What one SFT run of ``recipe`` on a model of ``size`` needs of its host.
 
-    KT keeps the routed experts in CPU RAM (:func:`~ktflow.sizing.estimate_kt_sft_memory`), split
+    KT keeps the routed experts in CPU RAM (:func:`~ktflow.planning.sizing.estimate_kt_sft_memory`), split
     over ``kt_threadpool_count`` NUMA pools when ``kt_tp_enabled``: one node running out kills
     rank 0 hours in ("Gloo connection closes"), so each node is checked. Plain GPU training holds
-    the whole model on the GPUs (:func:`~ktflow.sizing.hf_sft_gpu_need`); a CPU run holds it in
+    the whole model on the GPUs (:func:`~ktflow.planning.sizing.hf_sft_gpu_need`); a CPU run holds it in
     fp32. Full fine-tuning's checkpoints hold the weights and Adam's two moments. ``ktflow plan``
     reads the same declaration.
     """
@@ -479,13 +479,13 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
     """Resolve ``sft.backend: auto`` for ``size`` on ``host``.
 
     hf when the model, its LoRA state and activations fit the GPUs with a margin, the weights are
-    BF16 already, and it is predicted faster (:mod:`ktflow.costs`); kt otherwise, with the host's
+    BF16 already, and it is predicted faster (:mod:`ktflow.planning.costs`); kt otherwise, with the host's
     KT settings (:func:`_kt_side`). A recipe's explicit values always win.
 
     Raises:
         HostRequirementError: neither backend can run here (both reasons named).
     """
-    from ktflow.costs import hf_step_seconds, kt_step_seconds
+    from ktflow.planning.costs import hf_step_seconds, kt_step_seconds
 
     sft = recipe.sft
     used = host.gpus[: sft.gpus]

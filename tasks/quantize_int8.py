@@ -10,8 +10,8 @@ from prefect.artifacts import create_table_artifact
 
 from ktflow.checkpoint import checkpoint_digest
 from ktflow.host.hardware import probe_host
+from ktflow.planning.stage_plan import INT8_KERNELS, StageSkipped, check_requirement, deferral_reason
 from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
-from ktflow.stages import INT8_KERNELS, StageSkipped, check_requirement, deferral_reason
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 

@@ -38,7 +38,7 @@ def int8_kernels_missing() -> str | None:
     where KT_KERNEL_CPU_VARIANT forces kt-kernel's avx2 build.
     """
     from ktflow.host.hardware import probe_host
-    from ktflow.stages import INT8_KERNELS, check_requirement
+    from ktflow.planning.stage_plan import INT8_KERNELS, check_requirement
 
     return "; ".join(check_requirement(INT8_KERNELS, probe_host())) or None
 

@@ -18,7 +18,7 @@ from ktflow.errors import HostRequirementError
 from ktflow.host.hardware import HostInfo, NumaNode
 from ktflow.host.pools import CONTROL_POOL, WORK_POOLS, pool_for_stage
 from ktflow.host.worker import WorkerLaunch, choose_pools, run_workers, worker_launches
-from ktflow.stages import STAGE_ORDER
+from ktflow.planning.stage_plan import STAGE_ORDER
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())

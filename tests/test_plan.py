@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ktflow.costs import hf_step_seconds, kt_step_seconds
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
-from ktflow.plan import load_host, plan_recipe, size_from_facts
+from ktflow.planning.costs import hf_step_seconds, kt_step_seconds
+from ktflow.planning.plan import load_host, plan_recipe, size_from_facts
+from ktflow.planning.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory
 from ktflow.recipe import ModelFacts, load_recipe
-from ktflow.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = json.loads((REPO / "docs/benchmarks/calibration.json").read_text())
@@ -285,17 +285,17 @@ def online_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(detect_agent, "_fetch_registry", lambda: None)
     with FakeHub(repo) as hub:
-        import ktflow.plan
-        from ktflow.sizing import hub_model_size
+        import ktflow.planning.plan
+        from ktflow.planning.sizing import hub_model_size
 
-        # ktflow.plan asks the default endpoint; here that is the fake hub.
-        monkeypatch.setattr(ktflow.plan, "hub_model_size", functools.partial(
+        # ktflow.planning.plan asks the default endpoint; here that is the fake hub.
+        monkeypatch.setattr(ktflow.planning.plan, "hub_model_size", functools.partial(
             hub_model_size, endpoint=hub.url, cache_dir=tmp_path / "hf-cache"))
         yield hub, model
 
 
 def test_a_hub_model_is_sized_from_its_headers_without_fetching_weights(online_hub, tmp_path: Path) -> None:
-    from ktflow.sizing import hub_model_size, model_size
+    from ktflow.planning.sizing import hub_model_size, model_size
 
     hub, model = online_hub
     remote = hub_model_size("acme/kimi-tiny", "main", endpoint=hub.url, cache_dir=tmp_path / "cache")

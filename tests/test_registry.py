@@ -94,8 +94,8 @@ def _host(ram_gib: float):
 
 
 def _sizes(parameters: int):
+    from ktflow.planning.sizing import ModelSize
     from ktflow.serve import ServeSizes
-    from ktflow.sizing import ModelSize
 
     return ServeSizes(model=ModelSize(path="m", parameters=parameters, hidden_size=8, num_layers=1, vocab_size=8,
                                       linear_shapes={}))
@@ -131,7 +131,7 @@ def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
 def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> None:
     """Kimi-K2.5 on a 2 x 48-core host with 1.5 TB: the CPU experts take most of the RAM; neither a
     second sglang-kt server nor BF16 generation fits beside production."""
-    from ktflow.plan import plan_recipe
+    from ktflow.planning.plan import plan_recipe
 
     recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml")
     host = _host(1536)

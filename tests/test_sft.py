@@ -283,9 +283,9 @@ def test_kill_9_mid_training_resumes_from_the_last_checkpoint(tmp_path: Path, fi
 
 def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
     from ktflow.host.hardware import NumaNode
+    from ktflow.planning.sizing import ModelSize
     from ktflow.resources import shortfalls
     from ktflow.sft import sft_needs
-    from ktflow.sizing import ModelSize
 
     def size(stored: int) -> ModelSize:  # a MoE whose weights are nearly all routed experts, in BF16
         return ModelSize(path="m", parameters=stored // 2, expert_parameters=stored // 2 - (1 << 20), hidden_size=64,

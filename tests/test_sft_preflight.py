@@ -14,10 +14,10 @@ import torch
 from ktflow.errors import HostRequirementError
 from ktflow.fixture_stream import BIGGER_THAN_GPU, MoeDims, plan_shards, shard_names
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.planning.sizing import estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
 from ktflow.recipe import load_recipe
 from ktflow.safetensors_io import header_bytes
 from ktflow.sft import check_hf_fits_gpus, run_sft
-from ktflow.sizing import estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
 from ktflow.units import GiB
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def test_the_estimate_matches_the_gpu_memory_measured_for_deepseek_v2_lite() -> 
     from transformers import DeepseekV3ForCausalLM
 
     from ktflow.fixtures import FixtureSpec, _deepseek_v2_lite_config
-    from ktflow.sizing import _NOT_LORA, ModelSize
+    from ktflow.planning.sizing import _NOT_LORA, ModelSize
 
     spec = FixtureSpec(kind="deepseek-v2-lite", full_size=True, architecture="DeepseekV3ForCausalLM")
     with torch.device("meta"):
@@ -154,7 +154,7 @@ def test_doctor_says_the_same_for_the_recipe(big_model: Path, tmp_path: Path, mo
                                              capsys: pytest.CaptureFixture[str]) -> None:
     import ktflow.host.hardware
     from ktflow.cli import main
-    from ktflow.stages import check_recipe_on_host
+    from ktflow.planning.stage_plan import check_recipe_on_host
 
     recipe_file = write_recipe(tmp_path, big_model)
     checks = {c.stage: c for c in check_recipe_on_host(load_recipe(recipe_file), gpu_host())}
@@ -173,7 +173,7 @@ def test_doctor_says_the_same_for_the_recipe(big_model: Path, tmp_path: Path, mo
 
 
 def test_doctor_sizes_nothing_it_would_have_to_download(tmp_path: Path) -> None:
-    from ktflow.stages import check_recipe_on_host
+    from ktflow.planning.stage_plan import check_recipe_on_host
 
     recipe = load_recipe(REPO / "recipes/kimi-k2.5-bf16-int8.yaml", [f"store.root={tmp_path}"])
     assert recipe.source.repo_id is not None

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.planning.stage_plan import STAGE_ORDER, check_recipe_on_host, plan_stages
 from ktflow.recipe import load_recipe
-from ktflow.stages import STAGE_ORDER, check_recipe_on_host, plan_stages
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 

@@ -5,7 +5,7 @@ stage -> pool routing are written down. Prefect routes runs by work pool only (t
 are metadata), so capability matching is ours: ``ktflow worker`` probes the host and joins
 the pools it qualifies for; ``deployments/prefect.yaml`` puts each stage's deployment on the
 pool named here (a test keeps the two in agreement); the stage flows re-check the recipe's
-own needs (``ktflow.stages.host_requirements``) on the host that picked the run up.
+own needs (``ktflow.planning.stage_plan.host_requirements``) on the host that picked the run up.
 """
 
 from __future__ import annotations

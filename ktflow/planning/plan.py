@@ -3,7 +3,7 @@
 :func:`plan_recipe` reads the SFT and serve stages' own declarations (``sft_needs``,
 ``serve_needs``: what their preflights check, worded as they word it) for the model's size, sizes
 download, dequantize and quantize-int8 by their byte counts (their preflights measure the files
-themselves once they are there), and adds a predicted wall time from :class:`~ktflow.costs.CostModel`, whose
+themselves once they are there), and adds a predicted wall time from :class:`~ktflow.planning.costs.CostModel`, whose
 constants are fitted on the runs kept in docs/benchmarks (``calibration.json`` lists every one
 with its source files). ``sft.backend: auto`` is resolved as ``ktflow sft`` would resolve it.
 
@@ -24,13 +24,13 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ktflow.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
 from ktflow.errors import InvalidInputError
 from ktflow.host.hardware import HostInfo
+from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
+from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
+from ktflow.planning.stage_plan import host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.resources import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
-from ktflow.sizing import ModelSize, hub_model_size, model_size
-from ktflow.stages import host_requirements, plan_stages
 from ktflow.units import GB, GiB
 
 

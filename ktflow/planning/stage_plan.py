@@ -205,7 +205,7 @@ def _sft_size_problems(recipe: Recipe, host: HostInfo) -> list[str]:
     """The SFT stage's GPU-memory preflight (``ktflow.sft.check_hf_fits_gpus``), where the model is
     already on this host (a local source, or a hub source downloaded): headers only, no download."""
     from ktflow.errors import CheckpointError
-    from ktflow.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
+    from ktflow.planning.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
     from ktflow.weights import expected_source
 
     source = expected_source(recipe)

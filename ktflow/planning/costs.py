@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from ktflow.planning.sizing import ModelSize, kt_share_backward_bb
 from ktflow.recipe import SftConfig
-from ktflow.sizing import ModelSize, kt_share_backward_bb
 from ktflow.units import GB
 
 

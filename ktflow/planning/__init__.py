@@ -1,0 +1,16 @@
+"""Planning: which stages a recipe needs and where they run, and what each costs, before anything runs.
+
+- ``stage_plan.py``: which stages a recipe needs and why, what each needs of a host's hardware,
+  ``ktflow doctor --recipe``'s check, and the stages a host prepares for another (``StageSkipped``).
+  Imports: recipe, resources, host.
+- ``sizing.py``: a checkpoint's size from its config and headers (``ModelSize``), plain SFT's GPU
+  memory and KT SFT's GPU memory and RSS. Imports: formats, recipe, resources, units.
+- ``costs.py``: the time model (``CostModel``) fitted on docs/benchmarks/calibration.json.
+  Imports: sizing, units.
+- ``plan.py``: ``ktflow plan``: every stage's disk, RAM, GPU memory, GPUs and time on a host, read
+  from the stages' own declarations (``sft_needs``, ``serve_needs``, ``candidate_needs``).
+  Imports: the above, recipe, resources, and the stages' declared needs.
+
+The preflight (:mod:`ktflow.resources`) and these read the same declarations, so a plan says what
+the preflight will say.
+"""
