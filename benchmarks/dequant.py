@@ -12,7 +12,7 @@ What it does:
    (int4 in [-7, 7], bf16 scale = absmax/7 per group of 32, int32 ``weight_shape``), a few pass-through
    tensors (bf16 attention and router weights, the fp32 ``e_score_correction_bias``), 4 shards (one
    ``weight_scale`` in another shard than its ``weight_packed``, as in real Kimi shards), an index and a
-   nested ``text_config`` with Kimi's dims that ``ktflow.checkpoint.inspect_checkpoint`` accepts.
+   nested ``text_config`` with Kimi's dims that ``ktflow.formats.checkpoint.inspect_checkpoint`` accepts.
    12 experts (default) = 1.06 GB of BF16 output.
 2. Runs, each in its own subprocess (peak RSS = that child's ``ru_maxrss`` from ``os.wait4``), in order:
    a. compressed-tensors ``convert_checkpoint`` (CPU, ``max_workers=1``, as tests/conftest.py), no fsync;
@@ -134,7 +134,7 @@ def job_build(src: Path, experts: int) -> dict[str, Any]:
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (src / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (src / "config.json").write_text(json.dumps(kimi_config(experts), indent=2))
-    from ktflow.checkpoint import inspect_checkpoint
+    from ktflow.formats.checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(src)
     return {"format": info.format, "tensors": info.num_tensors, "input_bytes": info.tensor_bytes}

@@ -67,8 +67,8 @@ LABELS = {"bare": "a. bare kt-kernel path (no resume/verify)", "ours": "b. ktflo
 
 
 def job_build(src: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from ktflow.checkpoint import inspect_checkpoint
     from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.formats.checkpoint import inspect_checkpoint
 
     make_fixture(FixtureSpec(kind="bf16", layers=args.layers, experts=args.experts, hidden=args.hidden,
                              moe_intermediate=args.moe_intermediate), src)

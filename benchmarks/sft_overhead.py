@@ -122,8 +122,8 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     t = lap("import ktflow.sft, ktflow.weights, rich.progress", t)
     model_dir = ensure_training_weights(recipe).absolute()
     t = lap("ensure_training_weights (local bf16 source)", t)
-    from ktflow.checkpoint import checkpoint_digest
-    from ktflow.dataset import dataset_digest, prepare_dataset
+    from ktflow.formats.checkpoint import checkpoint_digest
+    from ktflow.formats.dataset import dataset_digest, prepare_dataset
     from ktflow.planning.stage_plan import check_requirement, host_requirements
 
     check_requirement(host_requirements(recipe)["sft"], host)

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ktflow.dataset import validate_dataset
 from ktflow.errors import KtflowError
+from ktflow.formats.dataset import validate_dataset
 from ktflow.recipe import load_recipe
 
 DATASET_PUBLISHED = "dataset.version.published"
@@ -32,7 +32,7 @@ def publish_dataset(recipe_file: Path, path: Path) -> dict[str, Any]:
     recipe = load_recipe(recipe_file, [f"dataset.files={json.dumps([str(path)])}"])
     records = validate_dataset(recipe.dataset)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    resource = {"prefect.resource.id": f"ktflow.dataset.{recipe.dataset.name}",
+    resource = {"prefect.resource.id": f"ktflow.formats.dataset.{recipe.dataset.name}",
                 "prefect.resource.name": recipe.dataset.name}
     payload = {"recipe_file": str(recipe_file), "recipe": recipe.name, "path": str(path), "sha256": digest,
                "records": records}

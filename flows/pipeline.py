@@ -33,9 +33,9 @@ from prefect.runtime import flow_run as current_run
 from pydantic import BaseModel
 
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
-from ktflow.dataset import validate_dataset
 from ktflow.errors import InvalidInputError, NoWorkerError, PromotionGateError, StageFailedError
 from ktflow.evaluate import refuse_contaminated_gate
+from ktflow.formats.dataset import validate_dataset
 from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.host.pools import WorkPoolSpec, pool_for_stage
 from ktflow.planning.stage_plan import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host

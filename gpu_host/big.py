@@ -280,7 +280,7 @@ def free_disk_gb(path: Path) -> float:
 
 def adapter_facts(adapter: Path) -> dict[str, Any]:
     """Files and sizes of a published adapter and the shapes of KT's fused expert LoRA tensors."""
-    from ktflow.safetensors_io import read_header
+    from ktflow.formats.safetensors_io import read_header
 
     if not adapter.is_dir():
         return {"present": False}
@@ -478,7 +478,7 @@ def phase_convert(work: Work) -> int:
 
 
 def converted_facts(out: Path) -> dict[str, Any]:
-    from ktflow.safetensors_io import read_header
+    from ktflow.formats.safetensors_io import read_header
 
     weights = out / "adapter_model.safetensors"
     if not weights.is_file():

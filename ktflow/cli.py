@@ -191,7 +191,7 @@ def cmd_fixture(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ktflow.checkpoint import inspect_checkpoint
+    from ktflow.formats.checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(Path(args.checkpoint_dir))
     if args.json:
@@ -268,7 +268,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ktflow.dataset import validate_dataset
+    from ktflow.formats.dataset import validate_dataset
     from ktflow.sft import check_hf_fits_gpus, run_sft
     from ktflow.weights import ensure_source, ensure_training_weights
 
@@ -305,7 +305,7 @@ def _sft_dry_run(recipe, host, *, as_json: bool) -> int:
     """Render without fetching, converting, validating data or launching anything."""
     import shlex
 
-    from ktflow.dataset import dataset_digest
+    from ktflow.formats.dataset import dataset_digest
     from ktflow.sft import check_kt_model, dump_yaml, render_sft, run_dir_for, run_key
     from ktflow.weights import expected_training_weights
 

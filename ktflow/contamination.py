@@ -110,7 +110,7 @@ def find_overlaps(
     Args:
         eval_prompts: ``(source, prompt)`` for each evaluation record (its last user message).
         train_prompts: ``(source, text)`` for each user message of the training data
-            (:func:`ktflow.dataset.user_prompts`).
+            (:func:`ktflow.formats.dataset.user_prompts`).
         multiple_choice: compare question stems (:func:`question_stem`) instead of whole prompts.
     """
     reduce = question_stem if multiple_choice else str.strip

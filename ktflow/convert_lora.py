@@ -40,12 +40,12 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from ktflow import ENGINE_VERSION
-from ktflow.checkpoint import checkpoint_digest, inspect_checkpoint, read_weight_map
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
+from ktflow.formats.checkpoint import checkpoint_digest, inspect_checkpoint, read_weight_map
+from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import run_tool
 from ktflow.resources import DiskNeed, Resources
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.sft import ADAPTER_FILES, tool_versions
 from ktflow.store import StageManifest
 

@@ -4,7 +4,7 @@ Bit-exact with compressed-tensors' decompression (the decode rules are in
 shared/reference/checkpoints.md), bounded in memory by a few tensors per worker whatever the
 shard size, parallel across tensors, resumable per shard, and published atomically:
 
-- every output shard is written by :class:`~ktflow.safetensors_io.SafetensorsWriter` (header
+- every output shard is written by :class:`~ktflow.formats.safetensors_io.SafetensorsWriter` (header
   first, then each tensor at its offset, from any worker thread) into a temporary name inside
   the staging directory, fsynced, then renamed to its final name: a shard under its final
   name is complete;
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from ktflow.checkpoint import (
+from ktflow.errors import CheckpointError, InvalidInputError, KtflowError
+from ktflow.formats.checkpoint import (
     CONFIG_NAME,
     INDEX_NAME,
     CheckpointFormat,
@@ -41,10 +42,7 @@ from ktflow.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
-from ktflow.errors import CheckpointError, InvalidInputError, KtflowError
-from ktflow.resources import DiskNeed, Resources
-from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
-from ktflow.safetensors_io import (
+from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsHeader,
     SafetensorsWriter,
@@ -52,6 +50,8 @@ from ktflow.safetensors_io import (
     read_header,
     read_tensor,
 )
+from ktflow.resources import DiskNeed, Resources
+from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_json
 
 INT4_GROUP_SIZE = 32

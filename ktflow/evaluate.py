@@ -88,7 +88,7 @@ def load_eval_records(cfg: EvaluationConfig) -> list[EvalRecord]:
         DatasetError: a file is missing or any record is bad (all listed, ``file:line``), a
             record has images or ends with a tool call (text only), or no record is left.
     """
-    from ktflow.dataset import BadRecord, _normalized_records, validate_dataset
+    from ktflow.formats.dataset import BadRecord, _normalized_records, validate_dataset
 
     dataset = DatasetConfig(name="evaluation", files=list(cfg.files), format=cfg.format)
     validate_dataset(dataset)  # every format error at once, as for training data
@@ -378,7 +378,7 @@ def check_contamination(recipe: Recipe, records: Sequence[EvalRecord] | None = N
     exactly and normalized (question stems for ``task: multiple_choice``); see
     :mod:`ktflow.contamination`.
     """
-    from ktflow.dataset import user_prompts
+    from ktflow.formats.dataset import user_prompts
 
     records = list(records) if records is not None else load_eval_records(recipe.evaluation)
     return find_overlaps(((r.source, str(r.messages[-1]["content"])) for r in records), user_prompts(recipe.dataset),

@@ -11,7 +11,7 @@ checkpoint holds 57B parameters, 114 GB in BF16.
   parameter counts are known without allocating anything (:func:`parameter_count`).
 - Each tensor's values come from its own ``torch.Generator``, seeded from ``(seed, name)`` with 63
   bits, so the output does not depend on the number of workers or the order they run in.
-- Shards are written one at a time by :class:`~ktflow.safetensors_io.SafetensorsWriter` (header
+- Shards are written one at a time by :class:`~ktflow.formats.safetensors_io.SafetensorsWriter` (header
   first, then each tensor at its offset) from a pool of threads, each tensor in pieces of at most
   :data:`CHUNK_ELEMENTS` elements: memory is a few pieces per worker, whatever the model size.
 - Routed experts are drawn directly as packed INT4 codes and BF16 group scales in
@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ktflow.dequantize import single_thread_torch
-from ktflow.safetensors_io import DTYPE_SIZES, SafetensorsWriter, st_dtype
+from ktflow.formats.safetensors_io import DTYPE_SIZES, SafetensorsWriter, st_dtype
 
 INT4_GROUP_SIZE = 32
 WEIGHT_STD = 0.02  # transformers' initializer_range for DeepSeek-V3

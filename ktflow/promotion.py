@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ktflow.checkpoint import checkpoint_digest, identity_digest
 from ktflow.errors import AdapterError, InvalidInputError
+from ktflow.formats.checkpoint import checkpoint_digest, identity_digest
 from ktflow.recipe import Recipe
 from ktflow.registry import (
     JUDGING_MOVE,

@@ -59,7 +59,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from ktflow._drivers import kt_int8 as driver
-from ktflow.checkpoint import (
+from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError, ToolError
+from ktflow.formats.checkpoint import (
     CONFIG_NAME,
     INDEX_NAME,
     CheckpointInfo,
@@ -68,11 +69,10 @@ from ktflow.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
-from ktflow.errors import CheckpointError, HostRequirementError, InvalidInputError, KtflowError, ToolError
+from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import run_tool
 from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
-from ktflow.safetensors_io import SafetensorsHeader, read_header
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
 from ktflow.units import GiB
 

@@ -29,9 +29,10 @@ import yaml
 from pydantic import BaseModel
 
 from ktflow import ENGINE_VERSION
-from ktflow.checkpoint import checkpoint_digest
-from ktflow.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
+from ktflow.formats.checkpoint import checkpoint_digest
+from ktflow.formats.dataset import dataset_digest, prepare_dataset, validate_dataset
+from ktflow.formats.safetensors_io import read_header
 from ktflow.host.hardware import HostInfo
 from ktflow.host.process import LogFollower, ThrottledLines, run_tool
 from ktflow.planning.sizing import (
@@ -48,7 +49,6 @@ from ktflow.planning.stage_plan import host_requirements
 from ktflow.recipe import Recipe, with_sft_backend
 from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed, check_requirement
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.safetensors_io import read_header
 from ktflow.store import StageManifest, atomic_write_bytes, read_manifest
 from ktflow.units import GiB
 

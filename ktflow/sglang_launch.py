@@ -8,7 +8,7 @@ combination that would fail or misbehave at startup, tens of minutes into loadin
 
 - ``--kt-weight-path`` must hold what ``--kt-method`` reads: the original checkpoint for
   ``RAWINT4`` (Kimi INT4) and ``FP8`` (DeepSeek-V3 block FP8), a BF16 checkpoint for
-  ``BF16``/``AMXBF16`` (checked with :func:`ktflow.checkpoint.inspect_checkpoint`), and for
+  ``BF16``/``AMXBF16`` (checked with :func:`ktflow.formats.checkpoint.inspect_checkpoint`), and for
   ``AMXINT8`` a quantize-int8 output whose manifest says it was quantized with the same
   ``--kt-threadpool-count`` T (the INT8 layout depends on T);
 - ``--kt-cpuinfer`` at most the host's physical cores (and at least T: kt-kernel gives each of
@@ -42,8 +42,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from ktflow.checkpoint import inspect_checkpoint, load_config
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
+from ktflow.formats.checkpoint import inspect_checkpoint, load_config
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
 from ktflow.store import StageManifest, read_manifest

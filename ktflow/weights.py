@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ktflow.checkpoint import checkpoint_digest
+from ktflow.formats.checkpoint import checkpoint_digest
 from ktflow.recipe import Recipe, as_weights_reader, needs_bf16_weights
 
 

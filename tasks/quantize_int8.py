@@ -8,7 +8,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from ktflow.checkpoint import checkpoint_digest
+from ktflow.formats.checkpoint import checkpoint_digest
 from ktflow.host.hardware import probe_host
 from ktflow.planning.stage_plan import INT8_KERNELS, StageSkipped, check_requirement, deferral_reason
 from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from ktflow.checkpoint import detect_format, inspect_checkpoint, load_config, text_config
 from ktflow.errors import CheckpointError
+from ktflow.formats.checkpoint import detect_format, inspect_checkpoint, load_config, text_config
 
 INDEX = "model.safetensors.index.json"
 

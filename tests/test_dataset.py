@@ -1,4 +1,4 @@
-"""Tests of ktflow.dataset: record validation, the prepared copy, its digest, and LlamaFactory's view of it."""
+"""Tests of ktflow.formats.dataset: record validation, the prepared copy, its digest, and LlamaFactory's view of it."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from ktflow.dataset import (
+from ktflow.errors import DatasetError
+from ktflow.formats.dataset import (
     BadRecord,
     PreparedDataset,
     dataset_digest,
     prepare_dataset,
     validate_dataset,
 )
-from ktflow.errors import DatasetError
 from ktflow.recipe import DatasetConfig
 
 TRAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv-train" / "bin" / "python"

@@ -329,7 +329,7 @@ def test_streamed_in_many_uneven_steps_is_still_bit_exact(
 
 
 def test_piecewise_writes_are_checked_like_whole_ones(tmp_path: Path) -> None:
-    from ktflow.safetensors_io import SafetensorsWriter
+    from ktflow.formats.safetensors_io import SafetensorsWriter
 
     writer = SafetensorsWriter(tmp_path / "x.safetensors", [("a", "BF16", (2, 4)), ("b", "U8", (3,))])
     whole = torch.arange(8, dtype=torch.bfloat16)

@@ -398,8 +398,8 @@ def test_overlap_of_multiple_choice_compares_question_stems() -> None:
 
 def test_demo_evaluation_never_occurs_in_its_training_data(tmp_path: Path) -> None:
     from ktflow.contamination import find_overlaps
-    from ktflow.dataset import user_prompts
     from ktflow.demo import STYLE_MARKER, write_demo_dataset
+    from ktflow.formats.dataset import user_prompts
     from ktflow.recipe import DatasetConfig
 
     train, evaluation = write_demo_dataset(tmp_path)
@@ -416,7 +416,7 @@ def test_demo_evaluation_never_occurs_in_its_training_data(tmp_path: Path) -> No
 
 
 def test_user_prompts_refuse_unreadable_training_data(tmp_path: Path) -> None:
-    from ktflow.dataset import user_prompts
+    from ktflow.formats.dataset import user_prompts
     from ktflow.recipe import DatasetConfig
 
     cfg = DatasetConfig(name="t", files=[tmp_path / "missing.jsonl"], format="openai")

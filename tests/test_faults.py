@@ -89,7 +89,7 @@ def peft_adapter(base: Path, out: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from ktflow.safetensors_io import read_header
+    from ktflow.formats.safetensors_io import read_header
 
     index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     headers = {shard: read_header(base / shard) for shard in set(index.values())}

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from ktflow.errors import InvalidInputError
 from ktflow.fixtures import FixtureSpec, make_fixture
-from ktflow.safetensors_io import read_header
+from ktflow.formats.safetensors_io import read_header
 
 KIMI_KINDS = ["kimi-k2.5", "kimi-k2"]
 ROUTED = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.")

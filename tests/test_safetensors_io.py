@@ -1,4 +1,4 @@
-"""ktflow.safetensors_io against the reference implementation (the safetensors package)."""
+"""ktflow.formats.safetensors_io against the reference implementation (the safetensors package)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from safetensors import deserialize, safe_open
 from safetensors.torch import load_file, save, save_file
 
-import ktflow.safetensors_io as sio
+import ktflow.formats.safetensors_io as sio
 from ktflow.errors import CheckpointError
-from ktflow.safetensors_io import (
+from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsHeader,
     SafetensorsWriter,

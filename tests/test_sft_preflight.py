@@ -13,10 +13,10 @@ import torch
 
 from ktflow.errors import HostRequirementError
 from ktflow.fixture_stream import BIGGER_THAN_GPU, MoeDims, plan_shards, shard_names
+from ktflow.formats.safetensors_io import header_bytes
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.planning.sizing import estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
 from ktflow.recipe import load_recipe
-from ktflow.safetensors_io import header_bytes
 from ktflow.sft import check_hf_fits_gpus, run_sft
 from ktflow.units import GiB
 

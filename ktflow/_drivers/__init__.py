@@ -4,7 +4,7 @@ A driver is started as ``<toolchain python> -m ktflow._drivers.<name> ...`` with
 pointing at a directory that holds only the ``ktflow`` package, so it imports ktflow from the
 orchestrator's checkout without being installed there. It may import the standard library,
 torch, safetensors, the tool itself, and the import-light parts of ktflow (``ktflow.errors``,
-``ktflow.safetensors_io``), never pydantic, Prefect or anything else the toolchain lacks.
+``ktflow.formats.safetensors_io``), never pydantic, Prefect or anything else the toolchain lacks.
 
 Drivers talk back through stdout: one line per event, ``<PREFIX> <json>``, which the orchestrator
 parses while it streams the tool's output to the stage log.

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from ktflow.safetensors_io import DTYPE_SIZES, SafetensorsHeader, SafetensorsWriter, read_header, read_tensor
+from ktflow.formats.safetensors_io import DTYPE_SIZES, SafetensorsHeader, SafetensorsWriter, read_header, read_tensor
 
 EVENT_PREFIX = "KTFLOW-INT8 "
 PLAN_NAME = ".ktflow-int8-plan.json"

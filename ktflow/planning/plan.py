@@ -145,8 +145,8 @@ def plan_recipe(recipe: Recipe, host: HostInfo, *, size: ModelSize | None = None
 
 
 def _count_records(recipe: Recipe) -> int | None:
-    from ktflow.dataset import validate_dataset
     from ktflow.errors import KtflowError
+    from ktflow.formats.dataset import validate_dataset
 
     try:
         return validate_dataset(recipe.dataset) if all(Path(f).is_file() for f in recipe.dataset.files) else None

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, computed_field
 
-from ktflow.checkpoint import load_config, read_weight_map, text_config
+from ktflow.formats.checkpoint import load_config, read_weight_map, text_config
+from ktflow.formats.safetensors_io import read_header
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import Recipe, SftConfig
 from ktflow.resources import GpuNeed, RamNeed, gpu_shortfall
-from ktflow.safetensors_io import read_header
 from ktflow.units import GiB
 
 # Companions of quantized weights: scales, shapes, zero points are not parameters.

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from ktflow.errors import CheckpointError
-from ktflow.safetensors_io import SafetensorsHeader, read_header
+from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.store import read_manifest
 
 CheckpointFormat = Literal["kimi-k2.5-int4", "kimi-k2-int4", "deepseek-v3-fp8", "bf16"]

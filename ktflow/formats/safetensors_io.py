@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 from ktflow.errors import CheckpointError
 
 if sys.byteorder != "little":  # raw bytes are copied as-is; safetensors is little-endian
-    raise ImportError("ktflow.safetensors_io supports little-endian hosts only")
+    raise ImportError("ktflow.formats.safetensors_io supports little-endian hosts only")
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _REFETCH = "re-download or re-run the stage"
