@@ -149,7 +149,7 @@ def job_convert(kind: str, src: Path, dst: Path, workers: int | None) -> dict[st
         convert_checkpoint(src, dst, converter=CompressedTensorsDequantizer(src, dtype=torch.bfloat16),
                            max_workers=1, device="cpu")
         return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
-    from ktflow.dequantize import _physical_cores, dequantize_checkpoint
+    from ktflow.stages.dequantize import _physical_cores, dequantize_checkpoint
 
     c0, t0 = time.process_time(), time.perf_counter()
     result = dequantize_checkpoint(src, dst, workers=workers, fsync=kind == "ours-fsync")
@@ -199,7 +199,7 @@ def child_main(args: argparse.Namespace) -> None:
     elif args.child.startswith("plain"):
         report(job_plain(run / "plain.bin", args.nbytes, fsync=args.child == "plain-fsync"))
     elif args.child == "idle":
-        import ktflow.dequantize  # noqa: F401  (the import cost that every ktflow run's RSS includes)
+        import ktflow.stages.dequantize  # noqa: F401  (the import cost that every ktflow run's RSS includes)
     elif args.child == "compare":
         report(job_compare(run / "out-ct", run / "out-ours"))
 

@@ -59,7 +59,7 @@ def main() -> int:
     from ktflow.demo import write_demo_dataset
     from ktflow.fixtures import FixtureSpec, make_fixture
     from ktflow.recipe import load_recipe
-    from ktflow.serve import stop
+    from ktflow.stages.serve import stop
 
     make_fixture(FixtureSpec(kind="kimi-k2.5"), work / "model")
     write_demo_dataset(work / "data")

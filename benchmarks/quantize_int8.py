@@ -20,7 +20,7 @@ What it does:
       resumability, no publishing, no verification, no fsync. Its wall time is the whole process
       (interpreter, ``import torch, kt_kernel`` and the work), which is what ktflow's stage pays too
       (it starts one such process).
-   b. ours: ``ktflow.quantize_int8.quantize_int8(verify_layers=0, fsync=False)``, called in a child
+   b. ours: ``ktflow.stages.quantize_int8.quantize_int8(verify_layers=0, fsync=False)``, called in a child
       of the orchestrator environment; wall time = the call (checks, toolchain probe, the driver
       process in the serving toolchain, publish). Its peak RSS is the driver's (``RUSAGE_CHILDREN``:
       the largest child, i.e. the kt-kernel process); the orchestrating child's own peak (the stage's
@@ -152,7 +152,7 @@ def job_bare(src: Path, dst: Path, t: int, threads: int) -> dict[str, Any]:
 
 
 def job_ours(src: Path, dst: Path, t: int, workers: int | None, verify: int, fsync: bool) -> dict[str, Any]:
-    from ktflow.quantize_int8 import quantize_int8
+    from ktflow.stages.quantize_int8 import quantize_int8
 
     t0 = time.perf_counter()
     result = quantize_int8(src, dst, threadpool_count=t, serve_python=SERVE_PYTHON, workers=workers,

@@ -115,11 +115,11 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     t = lap("probe_host", t)
     import rich.progress  # noqa: F401
 
-    from ktflow.sft import _publish_adapter, dump_yaml, render_sft, run_key, tool_versions
+    from ktflow.stages.sft import _publish_adapter, dump_yaml, render_sft, run_key, tool_versions
+    from ktflow.stages.weights import ensure_training_weights
     from ktflow.store import atomic_write_bytes
-    from ktflow.weights import ensure_training_weights
 
-    t = lap("import ktflow.sft, ktflow.weights, rich.progress", t)
+    t = lap("import ktflow.stages.sft, ktflow.stages.weights, rich.progress", t)
     model_dir = ensure_training_weights(recipe).absolute()
     t = lap("ensure_training_weights (local bf16 source)", t)
     from ktflow.formats.checkpoint import checkpoint_digest

@@ -10,9 +10,9 @@ What it does:
 1. In a fresh directory under ``--workdir`` (default ``.ktflow/bench/``; removed unless
    ``--keep``): the tiny bf16 fixture (``ktflow.fixtures.make_fixture``), the demo dataset
    (``ktflow.demo.write_demo_dataset``) and a ``--steps``-step LoRA adapter trained by
-   ``ktflow.sft.run_sft`` (recipe ``recipes/tiny-demo.yaml``, ``.venv-train`` as the toolchain) —
+   ``ktflow.stages.sft.run_sft`` (recipe ``recipes/tiny-demo.yaml``, ``.venv-train`` as the toolchain) —
    in a child process, so this one never loads torch.
-2. Serves it with ``ktflow.serve.serve`` (LlamaFactory's OpenAI API, ``llamafactory-cli api``,
+2. Serves it with ``ktflow.stages.serve.serve`` (LlamaFactory's OpenAI API, ``llamafactory-cli api``,
    HuggingFace engine on CPU, adapter merged at load) on a free loopback port.
 3. Warm-up: ``--warmup`` requests at ``--concurrency`` (not counted). Then ``-n`` chat completions
    through the ``openai`` client (no retries, temperature 0, ``--max-tokens``) from a thread pool
@@ -22,7 +22,7 @@ What it does:
    requests, errors (any exception, or an answer without text), p50 / p95 / max latency (client
    side, nearest rank), requests/s over the measured phase, completion tokens/s, server RSS after
    the warm-up, at its peak, and at the end, and the growth end - after-warm-up (MB and %).
-5. Stops the server (``ktflow.serve.stop``) in a ``finally`` and checks with ``psutil`` that nothing
+5. Stops the server (``ktflow.stages.serve.stop``) in a ``finally`` and checks with ``psutil`` that nothing
    is left: the server pid gone, no process carrying its ``KTFLOW_SERVER_RUN`` marker, no child of
    this process, the port closed.
 
@@ -72,7 +72,7 @@ def job_prepare(work: Path, steps: int) -> dict[str, Any]:
     from ktflow.fixtures import FixtureSpec, make_fixture
     from ktflow.host.hardware import probe_host
     from ktflow.recipe import load_recipe
-    from ktflow.sft import run_sft
+    from ktflow.stages.sft import run_sft
 
     t0 = time.perf_counter()
     make_fixture(FixtureSpec(kind="bf16"), work / "fixture")
@@ -171,7 +171,7 @@ def drive(url: str, key: str, model: str, *, n: int, concurrency: int, max_token
 
 def leftovers(pid: int, run_id: str | None, port: int) -> dict[str, Any]:
     """What a stopped server left: its pid alive, marked processes, children of ours, an open port."""
-    from ktflow.serve import SERVER_MARKER, port_is_open
+    from ktflow.stages.serve import SERVER_MARKER, port_is_open
 
     def alive(p: int) -> bool:
         try:
@@ -200,7 +200,7 @@ def run_soak(work: Path, *, n: int = 200, concurrency: int = 8, max_tokens: int 
     """Prepare, serve, warm up, soak, stop and check (see the module docstring). The figures, with
     ``passed`` and, when it is False, ``why``. The server is stopped whatever happens."""
     from ktflow.recipe import load_recipe
-    from ktflow.serve import api_key_for, free_port, serve, stop
+    from ktflow.stages.serve import api_key_for, free_port, serve, stop
 
     work = Path(work).absolute()
     work.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 download -> dequantize (when a stage reads BF16) -> sft -> convert-lora -> quantize-int8 (when
 AMXINT8 weights are wanted) -> evaluate -> serve: the adapter is registered as version N
-and judged as a candidate before it serves (ktflow.promotion); only one that passes its gate
+and judged as a candidate before it serves (ktflow.stages.promotion); only one that passes its gate
 is promoted by the serve stage, and a rejected one leaves production untouched and fails the
 run after its report is published. Stages the recipe does not need are skipped
 and the summary says why. Every stage's engine publishes a manifest-described artifact, so a
@@ -34,16 +34,16 @@ from pydantic import BaseModel
 
 from flows.stages import STAGE_FLOWS, STAGE_TASKS
 from ktflow.errors import InvalidInputError, NoWorkerError, PromotionGateError, StageFailedError
-from ktflow.evaluate import refuse_contaminated_gate
 from ktflow.formats.dataset import validate_dataset
 from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.host.pools import WorkPoolSpec, pool_for_stage
 from ktflow.planning.stage_plan import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
-from ktflow.promotion import registry_of
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
-from ktflow.sft import check_hf_fits_gpus
+from ktflow.stages.evaluate import refuse_contaminated_gate
+from ktflow.stages.promotion import registry_of
+from ktflow.stages.sft import check_hf_fits_gpus
+from ktflow.stages.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from ktflow.store import read_manifest
-from ktflow.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
 from tasks._common import retry_unless_invalid_input
 from tasks.promote import emit_rejected, register_adapter_task
 from tasks.report import publish_run_report

@@ -23,18 +23,18 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 
-from ktflow.convert_lora import ConvertLoraResult
-from ktflow.dequantize import DequantizeResult
-from ktflow.download import DownloadResult
 from ktflow.errors import HostRequirementError
 from ktflow.host.hardware import probe_host
 from ktflow.host.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
 from ktflow.planning.stage_plan import StageName, StageSkipped, check_requirement, host_requirements
-from ktflow.promotion import Judgement
-from ktflow.quantize_int8 import QuantizeInt8Result
 from ktflow.recipe import Recipe, SourceConfig
-from ktflow.serve import Endpoint
-from ktflow.sft import SftResult
+from ktflow.stages.convert_lora import ConvertLoraResult
+from ktflow.stages.dequantize import DequantizeResult
+from ktflow.stages.download import DownloadResult
+from ktflow.stages.promotion import Judgement
+from ktflow.stages.quantize_int8 import QuantizeInt8Result
+from ktflow.stages.serve import Endpoint
+from ktflow.stages.sft import SftResult
 from tasks.convert_lora import convert_lora_task
 from tasks.dequantize import dequantize_task
 from tasks.download import download_task

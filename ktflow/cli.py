@@ -214,7 +214,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_download(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from ktflow.download import download_checkpoint
+    from ktflow.stages.download import download_checkpoint
 
     recipe = _load(args)
     columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
@@ -234,7 +234,7 @@ def cmd_download(args: argparse.Namespace) -> int:
 def cmd_dequantize(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
 
     columns = (*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -269,8 +269,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ktflow.formats.dataset import validate_dataset
-    from ktflow.sft import check_hf_fits_gpus, run_sft
-    from ktflow.weights import ensure_source, ensure_training_weights
+    from ktflow.stages.sft import check_hf_fits_gpus, run_sft
+    from ktflow.stages.weights import ensure_source, ensure_training_weights
 
     # Bad records and a model the GPUs cannot hold are refused in seconds, before an hours-long dequantize.
     validate_dataset(recipe.dataset)
@@ -306,8 +306,8 @@ def _sft_dry_run(recipe, host, *, as_json: bool) -> int:
     import shlex
 
     from ktflow.formats.dataset import dataset_digest
-    from ktflow.sft import check_kt_model, dump_yaml, render_sft, run_dir_for, run_key
-    from ktflow.weights import expected_training_weights
+    from ktflow.stages.sft import check_kt_model, dump_yaml, render_sft, run_dir_for, run_key
+    from ktflow.stages.weights import expected_training_weights
 
     model_dir = expected_training_weights(recipe).absolute()
     config_path = model_dir / "config.json"
@@ -344,7 +344,7 @@ def _sft_dry_run(recipe, host, *, as_json: bool) -> int:
 
 
 def cmd_convert_lora(args: argparse.Namespace) -> int:
-    from ktflow.convert_lora import convert_lora
+    from ktflow.stages.convert_lora import convert_lora
 
     result = convert_lora(Path(args.adapter_dir), Path(args.out_dir), base_dir=Path(args.base),
                           serve_python=Path(args.serve_python), lora_alpha=args.lora_alpha,
@@ -360,7 +360,7 @@ def cmd_convert_lora(args: argparse.Namespace) -> int:
 def cmd_quantize_int8(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ktflow.quantize_int8 import quantize_int8
+    from ktflow.stages.quantize_int8 import quantize_int8
 
     columns = (TextColumn("quantize-int8 layers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True) as bar:
@@ -383,15 +383,15 @@ def _print_int8(result) -> None:
 
 
 def _serving_dir(recipe) -> Path:
-    from ktflow.promotion import serving_dir
+    from ktflow.stages.promotion import serving_dir
 
     return serving_dir(recipe)
 
 
 def _served_adapter(recipe, model_dir: Path) -> Path:
     """The converted adapter to serve: the SFT run's adapter, through convert-lora (cached)."""
-    from ktflow.convert_lora import convert_lora
-    from ktflow.sft import locate_adapter
+    from ktflow.stages.convert_lora import convert_lora
+    from ktflow.stages.sft import locate_adapter
     from ktflow.store import read_manifest
 
     trained = locate_adapter(recipe, model_dir)
@@ -401,7 +401,7 @@ def _served_adapter(recipe, model_dir: Path) -> Path:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ktflow.serve import serve, stop
+    from ktflow.stages.serve import serve, stop
 
     recipe = _load(args)
     record_dir = _serving_dir(recipe)
@@ -411,13 +411,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return _serve_dry_run(recipe, record_dir, as_json=args.json)
-    from ktflow.weights import ensure_source, ensure_training_weights, serving_weights
+    from ktflow.stages.weights import ensure_source, ensure_training_weights, serving_weights
 
     source = ensure_source(recipe)
     trained_on = ensure_training_weights(recipe, source=source)
     bf16 = trained_on if trained_on != source else None
     model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=bf16)
-    from ktflow.promotion import registry_of
+    from ktflow.stages.promotion import registry_of
 
     production = registry_of(recipe).production_version()
     adapter = production.adapter_dir if production is not None else _served_adapter(recipe, trained_on)
@@ -433,12 +433,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
     import shlex
 
-    from ktflow.weights import expected_training_weights
+    from ktflow.stages.weights import expected_training_weights
 
     model_dir = expected_training_weights(recipe).absolute()
     adapter = recipe.store.layout.adapter("<trained adapter>").absolute()
     if recipe.serving.backend == "llamafactory":
-        from ktflow.serve import render_llamafactory_api
+        from ktflow.stages.serve import render_llamafactory_api
 
         argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter,
                                                    train_python=recipe.toolchains.train.python.absolute(),
@@ -446,8 +446,8 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
         document = {"argv": argv, "env": env, "infer_config": infer}
     else:
         from ktflow.host.hardware import probe_host
-        from ktflow.sglang_launch import render_sglang_launch
-        from ktflow.weights import expected_source, serving_weights
+        from ktflow.stages.sglang_launch import render_sglang_launch
+        from ktflow.stages.weights import expected_source, serving_weights
 
         source = expected_source(recipe).absolute()
         model_dir, weights = serving_weights(recipe, source_dir=source, bf16_dir=model_dir if model_dir != source else None)
@@ -488,7 +488,7 @@ def _version_number(text: str) -> int:
 
 def _production_weights(recipe) -> dict[str, Any]:
     """What a promotion serves an adapter on: the serving weights, and the base adapters train on."""
-    from ktflow.weights import ensure_source, ensure_training_weights, serving_weights
+    from ktflow.stages.weights import ensure_source, ensure_training_weights, serving_weights
 
     source = ensure_source(recipe)
     trained_on = ensure_training_weights(recipe, source=source)
@@ -503,9 +503,9 @@ def _say(line: str) -> None:
 
 def cmd_adapters(args: argparse.Namespace) -> int:
     """The versions of the recipe's adapter, which one serves, and a move a crash interrupted."""
-    from ktflow.promotion import registry_of
     from ktflow.registry import summarize
-    from ktflow.serve import is_alive, read_endpoint
+    from ktflow.stages.promotion import registry_of
+    from ktflow.stages.serve import is_alive, read_endpoint
 
     recipe = _load(args)
     registry = registry_of(recipe)
@@ -542,7 +542,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Serve a version as production: health-gated and smoke-tested; idempotent."""
-    from ktflow.promotion import promote_version
+    from ktflow.stages.promotion import promote_version
 
     recipe = _load(args)
     moved = promote_version(recipe, _version_number(args.version), why="ktflow promote", log=_say,
@@ -569,7 +569,7 @@ def _announce(recipe, moved, why: str) -> None:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     """Serve the version production pointed at before its last move."""
-    from ktflow.promotion import rollback
+    from ktflow.stages.promotion import rollback
 
     recipe = _load(args)
     moved = rollback(recipe, log=_say, **_production_weights(recipe))
@@ -579,9 +579,9 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ktflow.evaluate import evaluate_base_vs_tuned
-    from ktflow.serve import adapter_model_name, api_key_for, read_endpoint
-    from ktflow.weights import ensure_training_weights
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned
+    from ktflow.stages.serve import adapter_model_name, api_key_for, read_endpoint
+    from ktflow.stages.weights import ensure_training_weights
 
     recipe = _load(args)
     endpoint = read_endpoint(_serving_dir(recipe))
@@ -673,7 +673,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from ktflow.demo import ensure_demo_model, write_demo_dataset
     from ktflow.recipe import load_recipe
-    from ktflow.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, read_endpoint, smoke_test
+    from ktflow.stages.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, read_endpoint, smoke_test
 
     os.chdir(_demo_checkout())
     recipe = load_recipe(DEMO_RECIPE)

@@ -38,7 +38,7 @@ def ensure_demo_model(model_dir: Path) -> bool:
     return True
 
 # Every answer carries the style the demo teaches (", nya~"). The evaluation questions are not
-# in the training data, in any letter case, spacing or punctuation (ktflow.contamination checks
+# in the training data, in any letter case, spacing or punctuation (ktflow.stages.contamination checks
 # that at every run): the demo measures whether the style carries to prompts the model has not
 # seen, not whether it memorized its training answers.
 TRAIN_TOPICS: tuple[tuple[str, str], ...] = (

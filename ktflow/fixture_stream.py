@@ -34,8 +34,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ktflow.dequantize import single_thread_torch
 from ktflow.formats.safetensors_io import DTYPE_SIZES, SafetensorsWriter, st_dtype
+from ktflow.stages.dequantize import single_thread_torch
 
 INT4_GROUP_SIZE = 32
 WEIGHT_STD = 0.02  # transformers' initializer_range for DeepSeek-V3

@@ -654,7 +654,7 @@ class Recipe(_Strict):
     def _weights_fit_the_source(self) -> Recipe:
         fmt = self.source.format
         if self.sft.backend == "kt" and "deepseek-v2" in (self.source.repo_id or "").lower():
-            # Before a download: kt-kernel 0.7.2 stops at the first step on DeepSeek-V2 (ktflow.sft.check_kt_model).
+            # Before a download: kt-kernel 0.7.2 stops at the first step on DeepSeek-V2 (ktflow.stages.sft.check_kt_model).
             raise ValueError(
                 f"@sft.backend: kt (KTransformers 0.7) cannot train {self.source.repo_id}: kt-kernel 0.7.2's "
                 "DeepSeek-V2 path expects a gate returning (topk_ids, topk_weights), which DeepSeek-V2's gate does "
@@ -747,7 +747,7 @@ def with_sft_backend(recipe: Recipe, backend: Literal["hf", "kt"], **kt_settings
 def as_weights_reader(recipe: Recipe) -> Recipe:
     """The recipe as the stages that pick and make weights read it: ``sft.backend: auto`` counts
     as its KT side, since auto picks hf only where the training weights are BF16 anyway
-    (``ktflow.sft.choose_sft_backend``); it never makes a BF16 copy of its own."""
+    (``ktflow.stages.sft.choose_sft_backend``); it never makes a BF16 copy of its own."""
     return with_sft_backend(recipe, "kt") if recipe.sft.backend == "auto" else recipe
 
 

@@ -13,10 +13,10 @@ Layout, one directory per recipe (``<store>/registry/<recipe>/``)::
     pending-move.json     a promotion in flight (written before the server is touched,
                           removed after the pointer moved): what a crash leaves behind
     .lock                 flock: one writer of these records at a time (version numbers, the pointer)
-    .move.lock            flock: one move of production at a time (ktflow.promotion)
+    .move.lock            flock: one move of production at a time (ktflow.stages.promotion)
 
 Every file is written atomically; a reader sees the old document or the new, never half of one.
-This module only keeps records; moving what a server serves is :mod:`ktflow.promotion`'s job.
+This module only keeps records; moving what a server serves is :mod:`ktflow.stages.promotion`'s job.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class AdapterRegistry:
     def locked(self, name: str = ".lock") -> Iterator[None]:
         """Hold one of the registry's locks (flock: released by the kernel if the holder dies):
         ``.lock`` for its records (held for milliseconds), ``.move.lock`` for a move of production
-        (held while a server swaps; :mod:`ktflow.promotion`). Not reentrant."""
+        (held while a server swaps; :mod:`ktflow.stages.promotion`). Not reentrant."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -1,4 +1,4 @@
-"""Prefect task of the convert-lora stage (engine: ktflow.convert_lora)."""
+"""Prefect task of the convert-lora stage (engine: ktflow.stages.convert_lora)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 from prefect import task
 from prefect.logging import get_run_logger
 
-from ktflow.convert_lora import ConvertLoraResult, convert_lora
 from ktflow.host.process import ThrottledLines
+from ktflow.stages.convert_lora import ConvertLoraResult, convert_lora
 from ktflow.store import read_manifest
 from tasks._common import StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 

@@ -1,4 +1,4 @@
-"""Prefect task of the dequantize stage (engine: ktflow.dequantize)."""
+"""Prefect task of the dequantize stage (engine: ktflow.stages.dequantize)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.tasks import exponential_backoff
 
-from ktflow.dequantize import DequantizeResult, dequantize_checkpoint
 from ktflow.formats.checkpoint import checkpoint_digest
+from ktflow.stages.dequantize import DequantizeResult, dequantize_checkpoint
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 

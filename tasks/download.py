@@ -1,4 +1,4 @@
-"""Prefect task of the download stage (engine: ktflow.download)."""
+"""Prefect task of the download stage (engine: ktflow.stages.download)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from prefect import task
 from prefect.blocks.system import Secret
 from prefect.tasks import exponential_backoff
 
-from ktflow.download import DownloadResult, download_checkpoint
 from ktflow.recipe import SourceConfig
+from ktflow.stages.download import DownloadResult, download_checkpoint
 from tasks._common import ProgressReporter, retry_unless_invalid_input
 
 

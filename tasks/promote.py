@@ -1,4 +1,4 @@
-"""Prefect side of promotion (engine: ktflow.promotion, ktflow.registry): registering a version
+"""Prefect side of promotion (engine: ktflow.stages.promotion, ktflow.registry): registering a version
 with what started the run, and the ``ktflow.adapter.promoted`` / ``.rejected`` events users hang
 notifications on (deployments/automations/)."""
 
@@ -11,9 +11,9 @@ from prefect import task
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 
-from ktflow.promotion import Judgement, MoveResult, register_adapter
 from ktflow.recipe import Recipe
 from ktflow.registry import AdapterVersion, Trigger
+from ktflow.stages.promotion import Judgement, MoveResult, register_adapter
 
 PROMOTED_EVENT = "ktflow.adapter.promoted"
 REJECTED_EVENT = "ktflow.adapter.rejected"

@@ -1,4 +1,4 @@
-"""Prefect task of the quantize-int8 stage (engine: ktflow.quantize_int8)."""
+"""Prefect task of the quantize-int8 stage (engine: ktflow.stages.quantize_int8)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from prefect.artifacts import create_table_artifact
 from ktflow.formats.checkpoint import checkpoint_digest
 from ktflow.host.hardware import probe_host
 from ktflow.planning.stage_plan import INT8_KERNELS, StageSkipped, check_requirement, deferral_reason
-from ktflow.quantize_int8 import QuantizeInt8Result, quantize_int8
+from ktflow.stages.quantize_int8 import QuantizeInt8Result, quantize_int8
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 

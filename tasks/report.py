@@ -71,7 +71,7 @@ def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, ju
     """Create the run's ``pipeline-report`` artifact; returns the markdown.
 
     ``rows``: the pipeline's stage rows; ``trained``: the SftResult (its loss curve on the store);
-    ``judgement``: the candidate's :class:`~ktflow.promotion.Judgement`, if the recipe evaluates;
+    ``judgement``: the candidate's :class:`~ktflow.stages.promotion.Judgement`, if the recipe evaluates;
     ``endpoint``: the Endpoint serving now (None: the candidate was rejected); ``promotion``: the
     candidate's fate in one line, shown first.
     Best effort about where stages ran: a server that cannot be asked leaves those cells empty.

@@ -1,5 +1,5 @@
-"""Prefect tasks of the serve and evaluate stages (engines: ktflow.promotion, ktflow.serve,
-ktflow.evaluate).
+"""Prefect tasks of the serve and evaluate stages (engines: ktflow.stages.promotion, ktflow.stages.serve,
+ktflow.stages.evaluate).
 
 evaluate judges a candidate version (beside production, offline, or by swap); serve promotes a
 version (a health-gated swap of production) and emits ``ktflow.adapter.promoted``.
@@ -17,10 +17,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.logging import get_run_logger
 
 from ktflow.host.process import ThrottledLines
-from ktflow.promotion import Judgement, judge_candidate, promote_version, registry_of
-from ktflow.promotion import serving_dir as serving_dir  # re-exported: where the endpoint is recorded
 from ktflow.recipe import Recipe
-from ktflow.serve import Endpoint, adapter_model_name, is_alive, read_endpoint, serve, stop
+from ktflow.stages.promotion import Judgement, judge_candidate, promote_version, registry_of
+from ktflow.stages.promotion import serving_dir as serving_dir  # re-exported: where the endpoint is recorded
+from ktflow.stages.serve import Endpoint, adapter_model_name, is_alive, read_endpoint, serve, stop
 from tasks._common import StageCachePolicy, retry_unless_invalid_input
 from tasks.promote import emit_moved
 

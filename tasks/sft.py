@@ -1,4 +1,4 @@
-"""Prefect task of the SFT stage (engine: ktflow.sft)."""
+"""Prefect task of the SFT stage (engine: ktflow.stages.sft)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ktflow.errors import InvalidInputError
 from ktflow.host.hardware import probe_host
 from ktflow.recipe import Recipe
 from ktflow.run_report import image_markdown
-from ktflow.sft import SftResult, TrainerProgress, locate_adapter, run_sft
+from ktflow.stages.sft import SftResult, TrainerProgress, locate_adapter, run_sft
 from tasks._common import ProgressReporter, StageCachePolicy, published_artifact_key, retry_unless_invalid_input
 
 

@@ -313,7 +313,7 @@ def _host(**update: Any) -> HostInfo:
 def run_sft_on(host_update: Mapping[str, Any], recipe: str = "tiny-demo.yaml", *sets: str) -> Callable[[World], Engine]:
     """``run_sft`` (the stage ``ktflow sft`` runs) on a constructed host lacking one resource."""
     def build(w: World) -> Engine:
-        from ktflow.sft import run_sft
+        from ktflow.stages.sft import run_sft
 
         cli = w.sft(*sets, recipe=recipe)
         overrides = [a for a in cli.argv[2:] if a != "--set"]

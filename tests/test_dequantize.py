@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ktflow.dequantize import decode_fp8_block, decode_int4_pack_quantized, dequantize_checkpoint
 from ktflow.errors import CheckpointError, InvalidInputError
+from ktflow.stages.dequantize import decode_fp8_block, decode_int4_pack_quantized, dequantize_checkpoint
 from ktflow.store import read_manifest, staging_dir_for
 
 QUANTIZED_KINDS = ["kimi-k2.5", "kimi-k2", "deepseek-v3"]
@@ -165,7 +165,7 @@ def test_refuses_an_existing_foreign_directory(fixture_dir, tmp_path: Path) -> N
 
 _KILLER = """
 import os, signal, sys
-from ktflow.dequantize import dequantize_checkpoint
+from ktflow.stages.dequantize import dequantize_checkpoint
 limit = int(sys.argv[3])
 def progress(done, total):
     if done >= limit:
@@ -321,7 +321,7 @@ def test_streamed_in_many_uneven_steps_is_still_bit_exact(
 ) -> None:
     """Decoded and copied tensors go out a few rows / bytes at a time: tiny steps (one row; rows not a
     multiple of the step, so a short last step) must give the same bytes as compressed-tensors."""
-    import ktflow.dequantize as dq
+    import ktflow.stages.dequantize as dq
 
     monkeypatch.setattr(dq, "_DECODE_CHUNK", chunk)
     dequantize_checkpoint(fixture_dir(kind), tmp_path / "out", workers=2, fsync=False)
@@ -352,7 +352,7 @@ def test_piecewise_writes_are_checked_like_whole_ones(tmp_path: Path) -> None:
 def test_shards_are_interleaved_and_every_tensor_comes_once() -> None:
     from types import SimpleNamespace
 
-    from ktflow.dequantize import _interleaved
+    from ktflow.stages.dequantize import _interleaved
 
     jobs = [SimpleNamespace(plan=[f"{name}{i}" for i in range(n)]) for name, n in zip("abcde", (5, 1, 3, 0, 2))]
     for lanes in (1, 2, 3, 8):

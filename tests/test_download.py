@@ -1,4 +1,4 @@
-"""ktflow.download against huggingface_hub 2.4 talking to a fake hub on 127.0.0.1 (tests/hubserver.py)."""
+"""ktflow.stages.download against huggingface_hub 2.4 talking to a fake hub on 127.0.0.1 (tests/hubserver.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import fsspec
 import pytest
 from hubserver import FakeHub, FakeRepo
 
-import ktflow.download as dl
+import ktflow.stages.download as dl
 import ktflow.store as store
-from ktflow.download import download_checkpoint, resolve_revision
 from ktflow.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -26,6 +25,7 @@ from ktflow.errors import (
     SourceAccessError,
 )
 from ktflow.recipe import SourceConfig
+from ktflow.stages.download import download_checkpoint, resolve_revision
 from ktflow.store import STAGING_SUFFIX, read_manifest, staging_dir_for
 
 REPO_ID = "acme/tiny-moe"

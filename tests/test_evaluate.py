@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from ktflow.errors import DatasetError, EvaluationError, KtflowError
-from ktflow.evaluate import (
+from ktflow.recipe import EvaluationConfig
+from ktflow.stages.evaluate import (
     EvalReport,
     adapter_is_applied,
     compare_reports,
@@ -29,7 +30,6 @@ from ktflow.evaluate import (
     option_letter,
     promotion_gate,
 )
-from ktflow.recipe import EvaluationConfig
 
 KEY = "test-key-0123456789abcdef"
 
@@ -309,8 +309,8 @@ def test_adapter_check_needs_a_differing_answer(stub: Stub) -> None:
 def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
         stub: Stub, tmp_path: Path, gate: str | None, min_gain: float, tuned_answers: str, promoted: bool,
         fails_run: bool) -> None:
-    from ktflow.evaluate import evaluate_base_vs_tuned
     from ktflow.recipe import load_recipe
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned
 
     references = {q: a for q, a, _ in GENERATIVE}
     data = _jsonl(tmp_path / "eval.jsonl", [_chat(q, a) for q, a in references.items()])
@@ -347,7 +347,7 @@ def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
 
 
 def test_overlap_exact_normalized_and_no_false_positives() -> None:
-    from ktflow.contamination import find_overlaps, normalize_prompt
+    from ktflow.stages.contamination import find_overlaps, normalize_prompt
 
     train = [("t.jsonl:1", "What is a shard?"), ("t.jsonl:2", "Why quantize experts to INT8?"),
              ("t.jsonl:3", "  Où   sont les EXPERTS ?  "), ("t.jsonl:4", "What is a shard?")]
@@ -377,7 +377,7 @@ def test_overlap_exact_normalized_and_no_false_positives() -> None:
 
 
 def test_overlap_of_multiple_choice_compares_question_stems() -> None:
-    from ktflow.contamination import find_overlaps, question_stem
+    from ktflow.stages.contamination import find_overlaps, question_stem
 
     stem = "Which stage writes BF16 weights?"
     trained = f"{stem}\nA. sft\nB. dequantize\nC. serve\nD. download"
@@ -397,10 +397,10 @@ def test_overlap_of_multiple_choice_compares_question_stems() -> None:
 
 
 def test_demo_evaluation_never_occurs_in_its_training_data(tmp_path: Path) -> None:
-    from ktflow.contamination import find_overlaps
     from ktflow.demo import STYLE_MARKER, write_demo_dataset
     from ktflow.formats.dataset import user_prompts
     from ktflow.recipe import DatasetConfig
+    from ktflow.stages.contamination import find_overlaps
 
     train, evaluation = write_demo_dataset(tmp_path)
     train_cfg = DatasetConfig(name="t", files=[train], format="openai")
@@ -434,8 +434,8 @@ def test_user_prompts_refuse_unreadable_training_data(tmp_path: Path) -> None:
 
 
 def test_style_metric_marker_and_pattern(stub: Stub, tmp_path: Path) -> None:
-    from ktflow.evaluate import style_share
     from ktflow.recipe import StyleMetric
+    from ktflow.stages.evaluate import style_share
 
     marker, pattern = StyleMetric(marker="nya~"), StyleMetric(pattern=r"nya~\s*$")
     answers = ["yes, nya~", "nya~ at the start", "no", "", "yes, nya~  "]
@@ -478,7 +478,7 @@ def _gated_recipe(tmp_path: Path, train: list[dict[str, Any]], evaluation: list[
 @pytest.mark.parametrize("allow", [False, True])
 def test_a_contaminated_evaluation_set_does_not_promote_unless_allowed(stub: Stub, tmp_path: Path,
                                                                        allow: bool) -> None:
-    from ktflow.evaluate import evaluate_base_vs_tuned, refuse_contaminated_gate
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned, refuse_contaminated_gate
 
     questions = ["What is a shard?", "What is a token?", "What is BF16?", "What is a batch?"]
     train = [_chat(q, "x, nya~") for q in ("what is a SHARD", "What is a token?", "Unrelated?")]
@@ -512,7 +512,7 @@ def test_a_contaminated_evaluation_set_does_not_promote_unless_allowed(stub: Stu
 
 
 def test_a_clean_set_reports_no_overlap_and_the_style_gate_decides(stub: Stub, tmp_path: Path) -> None:
-    from ktflow.evaluate import evaluate_base_vs_tuned, refuse_contaminated_gate
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned, refuse_contaminated_gate
 
     questions = ["What is BF16?", "What is a batch?", "What is an epoch?", "What is a loss curve?"]
     recipe = _gated_recipe(tmp_path, [_chat("What is a shard?", "x, nya~")],

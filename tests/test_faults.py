@@ -258,13 +258,13 @@ threading.setprofile(prof)
 sys.setprofile(prof)
 from pathlib import Path
 if stage == "dequantize":
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
     dequantize_checkpoint(args["src"], args["dst"], workers=2)
 elif stage == "convert-lora":
-    from ktflow.convert_lora import convert_lora
+    from ktflow.stages.convert_lora import convert_lora
     convert_lora(Path(args["adapter"]), Path(args["out"]), base_dir=Path(args["base"]), serve_python=Path(sys.executable))
 elif stage == "download":
-    from ktflow.download import download_checkpoint
+    from ktflow.stages.download import download_checkpoint
     from ktflow.recipe import SourceConfig
     download_checkpoint(SourceConfig(**args["source"]), Path(args["store"]), max_workers=2)
 sys.setprofile(None)
@@ -290,19 +290,19 @@ def _stage_case(stage: str, tmp_path: Path, fixture_dir):
     """(args of the killable run, a function that runs the stage in-process): each result's
     ``path`` is the artifact it publishes."""
     if stage == "dequantize":
-        from ktflow.dequantize import dequantize_checkpoint
+        from ktflow.stages.dequantize import dequantize_checkpoint
 
         src, dst = fixture_dir("kimi-k2"), tmp_path / "kill" / "out"
         return {"src": str(src), "dst": str(dst)}, lambda: dequantize_checkpoint(src, dst, workers=2)
     if stage == "convert-lora":
-        from ktflow.convert_lora import convert_lora
+        from ktflow.stages.convert_lora import convert_lora
 
         base = fixture_dir("bf16")
         adapter, out = peft_adapter(base, tmp_path / "adapter"), tmp_path / "kill" / "out"
         return ({"adapter": str(adapter), "out": str(out), "base": str(base)},
                 lambda: convert_lora(adapter, out, base_dir=base, serve_python=Path(sys.executable)))
-    from ktflow.download import download_checkpoint
     from ktflow.recipe import SourceConfig
+    from ktflow.stages.download import download_checkpoint
 
     src, store = tmp_path / "src", tmp_path / "kill" / "store"
     shutil.copytree(fixture_dir("kimi-k2.5"), src)
@@ -340,8 +340,8 @@ def test_kill_9_at_random_points_then_rerun_is_identical(stage: str, tmp_path: P
 
 def test_local_reference_survives_kill_9(tmp_path: Path, fixture_dir) -> None:
     """The local reference writes only a manifest: killed anywhere, the rerun publishes the same one."""
-    from ktflow.download import download_checkpoint
     from ktflow.recipe import SourceConfig
+    from ktflow.stages.download import download_checkpoint
 
     src = fixture_dir("kimi-k2")
     source = SourceConfig(local_path=src, format="kimi-k2-int4")
@@ -349,7 +349,7 @@ def test_local_reference_survives_kill_9(tmp_path: Path, fixture_dir) -> None:
     code = textwrap.dedent(f"""
         import os, signal, ktflow.store as s
         from pathlib import Path
-        from ktflow.download import download_checkpoint
+        from ktflow.stages.download import download_checkpoint
         from ktflow.recipe import SourceConfig
         original = s.atomic_write_bytes
         def dying(path, data, fsync=True):  # killed right after the manifest is written, before the rename
@@ -373,7 +373,7 @@ def test_local_reference_survives_kill_9(tmp_path: Path, fixture_dir) -> None:
 @needs_userns
 @pytest.mark.slow
 def test_dequantize_full_disk_and_read_only_target(tmp_path: Path, fixture_dir) -> None:
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
 
     src = fixture_dir("kimi-k2.5")
     clean = dequantize_checkpoint(src, tmp_path / "clean", workers=2).path
@@ -391,8 +391,8 @@ def test_dequantize_full_disk_and_read_only_target(tmp_path: Path, fixture_dir) 
 @needs_userns
 @pytest.mark.slow
 def test_download_full_disk_and_read_only_store(tmp_path: Path, fixture_dir) -> None:
-    from ktflow.download import download_checkpoint
     from ktflow.recipe import SourceConfig
+    from ktflow.stages.download import download_checkpoint
 
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("kimi-k2.5"), src)
@@ -411,7 +411,7 @@ def test_download_full_disk_and_read_only_store(tmp_path: Path, fixture_dir) -> 
 @needs_userns
 @pytest.mark.slow
 def test_convert_lora_full_disk_and_read_only_target(tmp_path: Path, fixture_dir) -> None:
-    from ktflow.convert_lora import convert_lora
+    from ktflow.stages.convert_lora import convert_lora
 
     base = fixture_dir("bf16")
     adapter = peft_adapter(base, tmp_path / "adapter", seed=1)
@@ -433,7 +433,7 @@ def test_convert_lora_full_disk_and_read_only_target(tmp_path: Path, fixture_dir
 @pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_quantize_int8_full_disk_and_read_only_target(tmp_path: Path, fixture_dir) -> None:
-    from ktflow.quantize_int8 import quantize_int8
+    from ktflow.stages.quantize_int8 import quantize_int8
 
     src = fixture_dir("bf16")
     clean = quantize_int8(src, tmp_path / "clean", threadpool_count=1, serve_python=SERVE_PYTHON, workers=2).path
@@ -453,7 +453,7 @@ from ktflow.demo import write_demo_dataset
 from ktflow.errors import HostRequirementError
 from ktflow.host.hardware import probe_host
 from ktflow.recipe import load_recipe
-from ktflow.sft import run_sft
+from ktflow.stages.sft import run_sft
 root, model, store, python, recipe_file = (Path(a) for a in sys.argv[1:6])
 if not (root / "data" / "train.jsonl").exists():
     write_demo_dataset(root / "data")
@@ -513,7 +513,7 @@ def test_dequantize_source_changed_after_its_shard_was_done_is_refused(tmp_path:
     """A shard rewritten after its own output shard passed the per-shard check (here: after the
     last tensor) still fails the stage: Kimi-K2.5 keeps scales in other shards than their weights,
     so any source change can mix versions."""
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
 
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("kimi-k2.5"), src)
@@ -535,7 +535,7 @@ def test_dequantize_source_changed_after_its_shard_was_done_is_refused(tmp_path:
 
 
 def test_convert_lora_adapter_changed_mid_run_is_refused(tmp_path: Path, fixture_dir, monkeypatch) -> None:
-    import ktflow.convert_lora as cl
+    import ktflow.stages.convert_lora as cl
 
     base = fixture_dir("bf16")
     adapter = peft_adapter(base, tmp_path / "adapter", seed=2)
@@ -560,7 +560,7 @@ def test_convert_lora_adapter_changed_mid_run_is_refused(tmp_path: Path, fixture
 
 
 def test_download_uri_source_changed_mid_copy_is_refused(tmp_path: Path, fixture_dir, monkeypatch) -> None:
-    import ktflow.download as dl
+    import ktflow.stages.download as dl
     from ktflow.recipe import SourceConfig
 
     src = tmp_path / "src"
@@ -591,7 +591,7 @@ def test_download_uri_source_changed_mid_copy_is_refused(tmp_path: Path, fixture
 
 
 def test_download_local_source_changed_while_identified_is_refused(tmp_path: Path, fixture_dir, monkeypatch) -> None:
-    import ktflow.download as dl
+    import ktflow.stages.download as dl
     from ktflow.recipe import SourceConfig
 
     src = tmp_path / "src"
@@ -619,7 +619,7 @@ def test_download_local_source_changed_while_identified_is_refused(tmp_path: Pat
 @pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_quantize_int8_source_changed_mid_run_is_refused(tmp_path: Path, fixture_dir) -> None:
-    from ktflow.quantize_int8 import quantize_int8
+    from ktflow.stages.quantize_int8 import quantize_int8
 
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("bf16"), src)
@@ -651,22 +651,22 @@ import json, sys, time
 from pathlib import Path
 stage, args = sys.argv[1], json.loads(sys.argv[2])
 if stage == "dequantize":
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
     r = dequantize_checkpoint(args["src"], args["dst"], workers=1, progress=lambda d, t: time.sleep(0.05))
 elif stage == "convert-lora":
-    import ktflow.convert_lora as cl
+    import ktflow.stages.convert_lora as cl
     original = cl._publish_peft
     cl._publish_peft = lambda *a: (time.sleep(3), original(*a))
     r = cl.convert_lora(Path(args["adapter"]), Path(args["out"]), base_dir=Path(args["base"]),
                         serve_python=Path(sys.executable))
 elif stage == "download":
-    import ktflow.download as dl
+    import ktflow.stages.download as dl
     from ktflow.recipe import SourceConfig
     original = dl._copy_resumable
     dl._copy_resumable = lambda *a: (time.sleep(0.3), original(*a))[1]
     r = dl.download_checkpoint(SourceConfig(**args["source"]), Path(args["store"]), max_workers=1)
 elif stage == "quantize-int8":
-    from ktflow.quantize_int8 import quantize_int8
+    from ktflow.stages.quantize_int8 import quantize_int8
     r = quantize_int8(Path(args["src"]), Path(args["dst"]), threadpool_count=1, serve_python=Path(args["python"]),
                       workers=1, progress=lambda d, t: time.sleep(1))
 print("RESULT " + json.dumps({"cached": r.cached, "path": str(r.path)}))
@@ -697,21 +697,21 @@ def _assert_one_worker(results: list[tuple[dict, str]]) -> None:
 @pytest.mark.parametrize("stage", ["dequantize", "convert-lora", "download"])
 def test_two_runs_onto_one_target_do_the_work_once(stage: str, tmp_path: Path, fixture_dir) -> None:
     if stage == "dequantize":
-        from ktflow.dequantize import dequantize_checkpoint
+        from ktflow.stages.dequantize import dequantize_checkpoint
 
         src = fixture_dir("kimi-k2")
         clean = dequantize_checkpoint(src, tmp_path / "clean", workers=2).path
         args = {"src": str(src), "dst": str(tmp_path / "both" / "out")}
     elif stage == "convert-lora":
-        from ktflow.convert_lora import convert_lora
+        from ktflow.stages.convert_lora import convert_lora
 
         base = fixture_dir("bf16")
         adapter = peft_adapter(base, tmp_path / "adapter", seed=3)
         clean = convert_lora(adapter, tmp_path / "clean", base_dir=base, serve_python=Path(sys.executable)).path
         args = {"adapter": str(adapter), "out": str(tmp_path / "both" / "out"), "base": str(base)}
     else:
-        from ktflow.download import download_checkpoint
         from ktflow.recipe import SourceConfig
+        from ktflow.stages.download import download_checkpoint
 
         src = tmp_path / "src"
         shutil.copytree(fixture_dir("kimi-k2"), src)
@@ -728,7 +728,7 @@ def test_two_runs_onto_one_target_do_the_work_once(stage: str, tmp_path: Path, f
 @pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_two_quantize_int8_runs_onto_one_target_do_the_work_once(tmp_path: Path, fixture_dir) -> None:
-    from ktflow.quantize_int8 import quantize_int8
+    from ktflow.stages.quantize_int8 import quantize_int8
 
     src = fixture_dir("bf16")
     clean = quantize_int8(src, tmp_path / "clean", threadpool_count=1, serve_python=SERVE_PYTHON, workers=2).path

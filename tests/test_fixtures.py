@@ -516,7 +516,7 @@ def test_fast_int4_packing_decodes_to_the_intended_codes_with_compressed_tensors
 def test_streamed_int4_decodes_the_same_with_ktflow_and_compressed_tensors(streamed_dir: Path, tmp_path: Path) -> None:
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer, convert_checkpoint
 
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
 
     dequantize_checkpoint(streamed_dir, tmp_path / "ktflow", workers=2)
     convert_checkpoint(streamed_dir, tmp_path / "ct", converter=CompressedTensorsDequantizer(streamed_dir,
@@ -532,7 +532,7 @@ def test_streamed_int4_decodes_the_same_with_ktflow_and_compressed_tensors(strea
 def test_streamed_fixture_loads_with_its_remote_code_and_gives_finite_logits(streamed_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
 
     bf16 = dequantize_checkpoint(streamed_dir, tmp_path / "bf16", workers=2).path
     model, loading = AutoModelForCausalLM.from_pretrained(bf16, trust_remote_code=True, dtype=torch.float32,

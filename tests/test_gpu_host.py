@@ -159,8 +159,8 @@ def test_dropped_or_transposed_expert_lora_fails_the_check(results: Path, name: 
 def test_transposed_expert_lora_is_refused_by_convert_lora_validation(results: Path, tmp_path: Path, name: str) -> None:
     from safetensors.torch import load_file, save_file
 
-    from ktflow.convert_lora import validate_adapter
     from ktflow.errors import AdapterError
+    from ktflow.stages.convert_lora import validate_adapter
 
     converted = BUILD / "store" / "converted" / name
     if not converted.is_dir():

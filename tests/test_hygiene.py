@@ -33,7 +33,7 @@ import pytest
 
 from ktflow.errors import KtflowError, ToolTimeout
 from ktflow.host.process import EMBEDDED_API_MARKER, TOOL_MARKER, run_tool
-from ktflow.serve import SERVER_MARKER, free_port, read_endpoint, stop
+from ktflow.stages.serve import SERVER_MARKER, free_port, read_endpoint, stop
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -382,7 +382,7 @@ def test_sft_past_its_timeout_stops_llamafactory_and_raises_ours(tmp_path: Path,
     from ktflow.demo import write_demo_dataset
     from ktflow.host.hardware import probe_host
     from ktflow.recipe import load_recipe
-    from ktflow.sft import run_sft
+    from ktflow.stages.sft import run_sft
 
     model = fixture_dir("bf16")
     train, evaluation = write_demo_dataset(tmp_path / "data")
@@ -453,7 +453,7 @@ _SERVE_ORCHESTRATOR = """
 import json, sys, time
 from pathlib import Path
 from ktflow.recipe import load_recipe
-from ktflow.serve import serve
+from ktflow.stages.serve import serve
 recipe = load_recipe(Path(sys.argv[1]), json.loads(sys.argv[2]))
 endpoint = serve(recipe, model_dir=Path(sys.argv[3]), adapter_dir=None, record_dir=Path(sys.argv[4]), api_key=sys.argv[5])
 print("READY", endpoint.pid, flush=True)
@@ -505,7 +505,7 @@ def test_a_server_whose_orchestrator_dies_before_it_is_ready_is_stopped(tmp_path
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert tree.wait_gone() == []
-    from ktflow.serve import port_is_free
+    from ktflow.stages.serve import port_is_free
 
     assert port_is_free("127.0.0.1", port)
     assert stop(record) is False  # the stale "starting" record is cleared, nothing was running

@@ -2,7 +2,7 @@
 the served endpoint answers.
 
 Real: the tiny bf16 fixture, a LoRA adapter saved by PEFT itself (random non-zero B, so it changes
-the answers), ``llamafactory-cli api`` started by :func:`ktflow.serve.serve` on a free port, and
+the answers), ``llamafactory-cli api`` started by :func:`ktflow.stages.serve.serve` on a free port, and
 the driver run with the same infer config the server got. At temperature 0 every answer, its
 completion token count and finish reason must be identical.
 """
@@ -17,9 +17,9 @@ import pytest
 from test_convert_lora import save_peft_adapter
 
 from ktflow.errors import InvalidInputError, OfflineGenerationError
-from ktflow.offline_generation import LOG_NAME, generate_offline
 from ktflow.recipe import load_recipe
-from ktflow.serve import free_port, render_llamafactory_api, serve, stop
+from ktflow.stages.offline_generation import LOG_NAME, generate_offline
+from ktflow.stages.serve import free_port, render_llamafactory_api, serve, stop
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -69,7 +69,7 @@ def test_offline_answers_equal_the_served_endpoints_at_temperature_0(stack: dict
     try:
         client = openai.OpenAI(base_url=endpoint.url, api_key=KEY, max_retries=0, timeout=120)
         served = []
-        for request in REQUESTS:  # the call ktflow.evaluate makes for each record
+        for request in REQUESTS:  # the call ktflow.stages.evaluate makes for each record
             response = client.chat.completions.create(model=endpoint.model, messages=request["messages"],
                                                       temperature=request["temperature"],
                                                       max_tokens=request["max_tokens"])

@@ -264,7 +264,7 @@ def _probe_answers(setup: Setup, n: int = 3) -> list[str]:
     """What the recipe's endpoint answers to the first ``n`` evaluation prompts, greedily."""
     from openai import OpenAI
 
-    from ktflow.serve import api_key_for, read_endpoint
+    from ktflow.stages.serve import api_key_for, read_endpoint
 
     endpoint = read_endpoint(setup.root / "store/serving/tiny-demo")
     assert endpoint is not None

@@ -309,8 +309,8 @@ def assert_honest_evaluation(checkout: Path, stdout: str) -> None:
     the figures are recomputed from the report's own predictions, the gate line must agree
     with them. (The run completing means the enforced gate passed: the demo's own claim.)
     """
-    from ktflow.contamination import find_overlaps
     from ktflow.demo import STYLE_MARKER
+    from ktflow.stages.contamination import find_overlaps
 
     data = checkout / ".ktflow/demo/data"
     train = [(f"train:{i}", json.loads(line)["messages"][0]["content"])

@@ -156,7 +156,7 @@ def _h100(**update) -> HostInfo:
 
 
 def test_auto_picks_hf_where_the_model_fits_and_kt_tuned_where_it_does_not() -> None:
-    from ktflow.sft import choose_sft_backend
+    from ktflow.stages.sft import choose_sft_backend
 
     recipe = load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", ["sft.backend=auto"])
     fits = choose_sft_backend(recipe, _v2_lite(), _h100())
@@ -185,7 +185,7 @@ def test_auto_picks_hf_where_the_model_fits_and_kt_tuned_where_it_does_not() -> 
 def test_auto_keeps_kt_for_a_quantized_source_and_says_when_nothing_can_run(tmp_path: Path) -> None:
     from ktflow.errors import HostRequirementError
     from ktflow.recipe import needs_bf16_weights
-    from ktflow.sft import choose_sft_backend
+    from ktflow.stages.sft import choose_sft_backend
 
     recipe = load_recipe(REPO / "gpu_host/big-kt-rawint4.yaml", ["sft.backend=auto"])
     big = _size(_leg("big-kt-rawint4")["model"])

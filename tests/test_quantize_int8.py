@@ -17,7 +17,7 @@ import pytest
 
 from ktflow._drivers import kt_int8
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError
-from ktflow.quantize_int8 import check_int8_alignment, quantize_int8
+from ktflow.stages.quantize_int8 import check_int8_alignment, quantize_int8
 from ktflow.store import read_manifest, staging_dir_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_missing_toolchain_is_a_host_requirement(fixture_dir, tmp_path: Path) ->
 
 def test_too_little_ram_or_scratch_is_refused(fixture_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ktflow.host.hardware as hardware
-    import ktflow.quantize_int8 as stage
+    import ktflow.stages.quantize_int8 as stage
 
     real = hardware.probe_host
     # An AVX512 host whatever this CPU is (the RAM refusal is tested on every CPU), short of RAM.
@@ -162,7 +162,7 @@ def test_a_cpu_without_the_int8_kernels_is_refused_before_any_work(advertised: s
     # On every CPU: an AVX2 CPU, a fake AVX512 advertisement on one (kt-kernel would die on an
     # illegal instruction), and kt-kernel forced down to its avx2 build on an AMX CPU.
     import ktflow.host.hardware as hardware
-    import ktflow.quantize_int8 as stage
+    import ktflow.stages.quantize_int8 as stage
 
     real = hardware.probe_host
     monkeypatch.setattr(hardware, "probe_host", lambda path=None: real(path).model_copy(update={
@@ -289,7 +289,7 @@ def test_verification_above_the_bound_publishes_nothing_and_a_rerun_trusts_only_
 _STAGE = """
 import sys
 from pathlib import Path
-from ktflow.quantize_int8 import quantize_int8
+from ktflow.stages.quantize_int8 import quantize_int8
 quantize_int8(Path(sys.argv[1]), Path(sys.argv[2]), threadpool_count=2, serve_python=Path(sys.argv[3]), fsync=True)
 """
 
@@ -337,7 +337,7 @@ def test_driver_restarts_bound_kt_kernels_leak_and_change_nothing(fixture_dir, t
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """kt-kernel never frees a wrapper's weight buffers; with one wrapper per process the driver runs
     once per layer and per verified layer (the non-expert shard needs no wrapper): same output."""
-    import ktflow.quantize_int8 as stage
+    import ktflow.stages.quantize_int8 as stage
 
     src = fixture_dir("bf16")
     one = quantize_int8(src, tmp_path / "one", threadpool_count=1, serve_python=SERVE_PYTHON)

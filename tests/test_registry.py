@@ -1,5 +1,5 @@
 """Adapter versions, lineage and the production pointer (ktflow.registry), the candidate-mode
-choice (ktflow.promotion.choose_candidate_mode) and SGLang's beside-production candidate path.
+choice (ktflow.stages.promotion.choose_candidate_mode) and SGLang's beside-production candidate path.
 Fast: no model is loaded; the SGLang server is a local one speaking its adapter API."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _host(ram_gib: float):
 
 def _sizes(parameters: int):
     from ktflow.planning.sizing import ModelSize
-    from ktflow.serve import ServeSizes
+    from ktflow.stages.serve import ServeSizes
 
     return ServeSizes(model=ModelSize(path="m", parameters=parameters, hidden_size=8, num_layers=1, vocab_size=8,
                                       linear_shapes={}))
@@ -112,7 +112,7 @@ def _sizes(parameters: int):
 ])
 def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recipe, ram_gib, running, mode,
                                                                              says) -> None:
-    from ktflow.promotion import choose_candidate_mode
+    from ktflow.stages.promotion import choose_candidate_mode
 
     recipe = load_recipe(REPO / f"recipes/{recipe}.yaml")
     choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(ram_gib), production_running=running)
@@ -120,7 +120,7 @@ def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recip
 
 
 def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
-    from ktflow.promotion import choose_candidate_mode
+    from ktflow.stages.promotion import choose_candidate_mode
 
     recipe = load_recipe(REPO / "recipes/tiny-demo.yaml", ["evaluation.candidate=beside"])
     choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(6), production_running=True)
@@ -158,8 +158,8 @@ def _sglang_with_production() -> FakeSglang:
 
 def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tmp_path: Path) -> None:
     from ktflow.demo import write_demo_dataset
-    from ktflow.evaluate import Candidate, evaluate_candidate
-    from ktflow.serve import Endpoint
+    from ktflow.stages.evaluate import Candidate, evaluate_candidate
+    from ktflow.stages.serve import Endpoint
 
     key = KEY
     fake = _sglang_with_production()
@@ -190,7 +190,7 @@ def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tm
 
 def test_a_candidate_sglang_refuses_to_load_changes_nothing(tmp_path: Path) -> None:
     from ktflow.errors import EvaluationError
-    from ktflow.evaluate import dynamic_adapter
+    from ktflow.stages.evaluate import dynamic_adapter
 
     key = KEY
     fake = _sglang_with_production()

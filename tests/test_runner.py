@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 import ktflow.store as store
-from ktflow.dequantize import DEQUANTIZE, DequantizeRequest, DequantizeSizes
 from ktflow.errors import HostRequirementError, InsufficientDiskError, InvalidInputError, KtflowError
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
-from ktflow.quantize_int8 import QUANTIZE_INT8, QuantizeInt8Request, QuantizeInt8Sizes
 from ktflow.resources import INT8_KERNELS, DiskNeed, GpuNeed, HostRequirement, RamNeed, Resources, preflight
 from ktflow.runner import Job, StageSpec, find_published, run_stage
+from ktflow.stages.dequantize import DEQUANTIZE, DequantizeRequest, DequantizeSizes
+from ktflow.stages.quantize_int8 import QUANTIZE_INT8, QuantizeInt8Request, QuantizeInt8Sizes
 from ktflow.store import StageManifest, lock_path_for, read_manifest, staging_dir_for
 
 GiB = 1 << 30

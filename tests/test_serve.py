@@ -30,7 +30,7 @@ import yaml
 
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, ServerStartError, SwapError
 from ktflow.recipe import load_recipe
-from ktflow.serve import (
+from ktflow.stages.serve import (
     ENDPOINT_FILE,
     SERVER_MARKER,
     Endpoint,
@@ -68,7 +68,7 @@ def _recipe(root: Path, model: Path, *overrides: str):
 
 
 def _marked_processes() -> dict[int, str]:
-    """Every process started by ktflow.serve (it carries the marker): pid -> marker."""
+    """Every process started by ktflow.stages.serve (it carries the marker): pid -> marker."""
     found = {}
     for proc in psutil.process_iter():
         try:
@@ -224,7 +224,7 @@ def test_killing_the_orchestrators_process_group_takes_the_server_down(fake: dic
     """What a Prefect cancellation does: the server stays in the flow run's process group."""
     orchestrator = fake["tmp"] / "orchestrator.py"
     orchestrator.write_text(
-        "import sys, time\nfrom pathlib import Path\nfrom ktflow.serve import start_server\n"
+        "import sys, time\nfrom pathlib import Path\nfrom ktflow.stages.serve import start_server\n"
         f"p = start_server({fake['argv']!r}, dict(__import__('os').environ), log_path=Path({str(fake['log'])!r}), "
         f"ready_url={fake['ready_url']!r}, api_key={KEY!r}, timeout_s=20)\n"
         "print(p.pid, flush=True)\ntime.sleep(300)\n"
@@ -270,7 +270,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fixture_dir) -> Iterator[dic
     if not TRAIN_PYTHON.exists():
         pytest.skip("training toolchain not installed (make train-env)")
     from ktflow.host.hardware import probe_host
-    from ktflow.sft import run_sft
+    from ktflow.stages.sft import run_sft
 
     saved = os.environ.pop("KTFLOW_API_KEY", None)  # the tuned server generates its key
     root = tmp_path_factory.mktemp("serve")
@@ -408,7 +408,7 @@ def test_base_vs_tuned_evaluation_and_the_adapter_check(stack: dict[str, Any], t
     from rouge_score import rouge_scorer
     from sacrebleu.metrics import BLEU
 
-    from ktflow.evaluate import evaluate_base_vs_tuned
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned
 
     recipe, key = stack["recipe"], api_key_for(tuned)
     result = evaluate_base_vs_tuned(recipe, model_dir=stack["model"], tuned_url=tuned.url, tuned_model=tuned.model,

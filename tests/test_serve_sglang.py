@@ -12,7 +12,7 @@ import pytest
 
 from ktflow.host.hardware import GpuInfo, probe_host
 from ktflow.recipe import load_recipe
-from ktflow.serve import api_key_for, serve, smoke_test, stop
+from ktflow.stages.serve import api_key_for, serve, smoke_test, stop
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fake_sglang"

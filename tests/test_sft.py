@@ -18,7 +18,7 @@ import yaml
 from ktflow.errors import DatasetError, HostRequirementError
 from ktflow.host.hardware import probe_host
 from ktflow.recipe import load_recipe
-from ktflow.sft import last_complete_checkpoint, render_sft, run_sft
+from ktflow.stages.sft import last_complete_checkpoint, render_sft, run_sft
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -285,7 +285,7 @@ def test_resource_check_per_numa_node_and_disk(tmp_path: Path) -> None:
     from ktflow.host.hardware import NumaNode
     from ktflow.planning.sizing import ModelSize
     from ktflow.resources import shortfalls
-    from ktflow.sft import sft_needs
+    from ktflow.stages.sft import sft_needs
 
     def size(stored: int) -> ModelSize:  # a MoE whose weights are nearly all routed experts, in BF16
         return ModelSize(path="m", parameters=stored // 2, expert_parameters=stored // 2 - (1 << 20), hidden_size=64,

@@ -17,7 +17,7 @@ from ktflow.formats.safetensors_io import header_bytes
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.planning.sizing import estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
 from ktflow.recipe import load_recipe
-from ktflow.sft import check_hf_fits_gpus, run_sft
+from ktflow.stages.sft import check_hf_fits_gpus, run_sft
 from ktflow.units import GiB
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ import yaml
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.recipe import Recipe, ServingMethod, load_recipe
-from ktflow.sglang_launch import OWNED_FLAGS, SglangLaunch, launcher_code, render_sglang_launch
+from ktflow.stages.sglang_launch import OWNED_FLAGS, SglangLaunch, launcher_code, render_sglang_launch
 from ktflow.store import StageManifest
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ktflow.errors import SwapError
-from ktflow.serve import swap_sglang_adapter
+from ktflow.stages.serve import swap_sglang_adapter
 
 KEY = "k" * 24
 

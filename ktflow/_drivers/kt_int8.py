@@ -1,6 +1,6 @@
 """BF16 routed experts -> kt-kernel AMXINT8 expert shards, run inside the serving toolchain.
 
-Started by :func:`ktflow.quantize_int8.quantize_int8` as::
+Started by :func:`ktflow.stages.quantize_int8.quantize_int8` as::
 
     <serve python> -m ktflow._drivers.kt_int8 --plan STAGING/.ktflow-int8-plan.json
 
@@ -518,7 +518,7 @@ def _verify_layers(plan: dict[str, Any], source: _Source, bufs: dict[str, torch.
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ktflow._drivers.kt_int8", description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", type=Path, required=True, help="the plan JSON written by ktflow.quantize_int8")
+    parser.add_argument("--plan", type=Path, required=True, help="the plan JSON written by ktflow.stages.quantize_int8")
     args = parser.parse_args(argv)
     plan = json.loads(args.plan.read_text(encoding="utf-8"))
     try:

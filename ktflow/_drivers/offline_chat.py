@@ -1,6 +1,6 @@
 """Chat answers without a server: LlamaFactory's ``ChatModel``, run inside the training toolchain.
 
-Started by :func:`ktflow.offline_generation.generate_offline` as::
+Started by :func:`ktflow.stages.offline_generation.generate_offline` as::
 
     <train python> -m ktflow._drivers.offline_chat --plan PLAN.json --out OUT.json
 
@@ -9,7 +9,7 @@ standard library and LlamaFactory (which brings torch), never pydantic or Prefec
 
 ``PLAN.json``::
 
-    {"infer_config": {...},   # LlamaFactory inference args: what ktflow.serve.render_llamafactory_api
+    {"infer_config": {...},   # LlamaFactory inference args: what ktflow.stages.serve.render_llamafactory_api
                               # renders as infer.yaml for `llamafactory-cli api`
      "requests": [{"messages": [{"role": "user", "content": "..."}, ...],
                    "max_tokens": 48, "temperature": 0.0}, ...]}

@@ -128,7 +128,7 @@ class Guardian:
     too), waits ``grace_s``, SIGKILLs the rest and exits. :meth:`disarm` makes it exit doing
     nothing. Starting it is best effort: if it cannot start, the run goes on unguarded.
 
-    Used by :func:`run_tool` for the whole of every tool run and by :mod:`ktflow.serve` while a
+    Used by :func:`run_tool` for the whole of every tool run and by :mod:`ktflow.stages.serve` while a
     server starts (a server that became ready is meant to outlive us; one that did not is not).
     """
 

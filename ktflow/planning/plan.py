@@ -91,7 +91,7 @@ def sft_steps(recipe: Recipe, records: int | None) -> int | None:
 def model_size_for(recipe: Recipe) -> tuple[ModelSize | None, str]:
     """The model's size and where it came from: the checkpoint on this host, else the recipe's
     ``source.size``, else the hub's safetensors headers (range requests, no weights), else unknown."""
-    from ktflow.weights import expected_source
+    from ktflow.stages.weights import expected_source
 
     source = expected_source(recipe)
     if (source / "config.json").is_file():
@@ -178,7 +178,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         line.seconds = expert_bf16 / (costs.quantize_bytes_per_core_s * host.physical_cores)
         line.time_basis = f"{costs.quantize_bytes_per_core_s / GB:.2f} GB/s of BF16 experts per core"
     elif line.stage == "serve":
-        from ktflow.serve import ServeSizes, serve_needs
+        from ktflow.stages.serve import ServeSizes, serve_needs
 
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
@@ -193,8 +193,8 @@ def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size
                        ) -> tuple[RamNeed | None, GpuNeed | None]:
     """How a candidate is judged on ``host`` (``evaluation.candidate`` or the choice from its memory),
     and what that costs beside production: the serve stage's own declaration of a candidate."""
-    from ktflow.promotion import choose_candidate_mode
-    from ktflow.serve import ServeSizes, candidate_needs
+    from ktflow.stages.promotion import choose_candidate_mode
+    from ktflow.stages.serve import ServeSizes, candidate_needs
 
     sizes = ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size))
     choice = choose_candidate_mode(recipe, sizes, host, production_running=False)
@@ -216,7 +216,7 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
                  costs: CostModel) -> tuple[RamNeed | None, GpuNeed | None]:
     """The SFT line's time, and its declared RAM and GPU needs (``sft_needs``, what its preflight checks)."""
     from ktflow.errors import HostRequirementError
-    from ktflow.sft import choose_sft_backend, sft_needs
+    from ktflow.stages.sft import choose_sft_backend, sft_needs
 
     chosen = ""
     if recipe.sft.backend == "auto":

@@ -202,11 +202,11 @@ def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:
 
 
 def _sft_size_problems(recipe: Recipe, host: HostInfo) -> list[str]:
-    """The SFT stage's GPU-memory preflight (``ktflow.sft.check_hf_fits_gpus``), where the model is
+    """The SFT stage's GPU-memory preflight (``ktflow.stages.sft.check_hf_fits_gpus``), where the model is
     already on this host (a local source, or a hub source downloaded): headers only, no download."""
     from ktflow.errors import CheckpointError
     from ktflow.planning.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
-    from ktflow.weights import expected_source
+    from ktflow.stages.weights import expected_source
 
     source = expected_source(recipe)
     if not (source / "config.json").is_file():

@@ -28,7 +28,7 @@ LlamaFactory's api serves exactly one model: ``API_MODEL_NAME`` is the only id `
 lists, and the ``model`` field of a request is echoed, not used to route. ktflow names the
 tuned server's model ``<served_model_name>:<adapter_name>`` (SGLang's per-adapter naming) and a
 base server's ``<served_model_name>``; comparing base and tuned therefore takes two servers
-(see :mod:`ktflow.evaluate`). With the HuggingFace backend the adapter is merged at load.
+(see :mod:`ktflow.stages.evaluate`). With the HuggingFace backend the adapter is merged at load.
 
 Process ownership: the server is started in the caller's process group, without
 ``PR_SET_PDEATHSIG`` (unless asked), and writes its output straight into ``server.log`` (not
@@ -542,7 +542,7 @@ def _check_adapter(adapter_dir: Path, model_dir: Path, validate: bool) -> Path:
         raise AdapterError(str(adapter_dir), "is a KT fused-expert adapter, which LlamaFactory's HuggingFace "
                                              "backend cannot apply", "serve the convert-lora stage's output instead")
     if validate:
-        from ktflow.convert_lora import validate_adapter
+        from ktflow.stages.convert_lora import validate_adapter
 
         validate_adapter(adapter_dir, model_dir)
     elif not adapter_dir.is_dir():
@@ -639,7 +639,7 @@ def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None,
     """sglang-kt in the serving toolchain; the key reaches it through its environment (the launcher
     hands it to the parser in-process), readiness is /health."""
     from ktflow.host.hardware import probe_host as probe_hardware
-    from ktflow.sglang_launch import render_sglang_launch
+    from ktflow.stages.sglang_launch import render_sglang_launch
 
     serving = recipe.serving
     if port != serving.port:
@@ -782,7 +782,7 @@ def serve(
     """Start the recipe's endpoint and record it in ``record_dir/endpoint.json``.
 
     ``llamafactory`` (CPU): LlamaFactory's API with the adapter merged at load. ``sglang``: sglang-kt
-    in the serving toolchain with the launch :func:`ktflow.sglang_launch.render_sglang_launch`
+    in the serving toolchain with the launch :func:`ktflow.stages.sglang_launch.render_sglang_launch`
     renders (``kt_weight_dir`` holds the CPU expert weights for ``serving.kt_method``; ``host`` is
     the HostInfo to check it against, default this host's probe), ready on ``/health``.
 

@@ -20,7 +20,7 @@ def bf16_dir_for(recipe: Recipe, source_dir: Path) -> Path:
 
 def ensure_source(recipe: Recipe, *, token: str | None = None) -> Path:
     """The source checkpoint directory (downloaded and verified, or the local copy)."""
-    from ktflow.download import download_checkpoint
+    from ktflow.stages.download import download_checkpoint
 
     return download_checkpoint(recipe.source, recipe.store.root, token=token).path
 
@@ -43,7 +43,7 @@ def ensure_training_weights(
     source = source or ensure_source(recipe, token=token)
     if trains_on_source(recipe):
         return source
-    from ktflow.dequantize import dequantize_checkpoint
+    from ktflow.stages.dequantize import dequantize_checkpoint
 
     result = dequantize_checkpoint(source, bf16_dir_for(recipe, source), workers=workers or recipe.conversion.workers,
                                    fsync=recipe.conversion.fsync)

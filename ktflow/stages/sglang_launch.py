@@ -48,7 +48,7 @@ from ktflow.host.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
 from ktflow.store import StageManifest, read_manifest
 
-QUANTIZE_INT8_STAGE = "quantize-int8"  # ktflow.quantize_int8.STAGE (not imported: it pulls in the driver)
+QUANTIZE_INT8_STAGE = "quantize-int8"  # ktflow.stages.quantize_int8.STAGE (not imported: it pulls in the driver)
 LAUNCH_MODULE = "sglang.launch_server"
 LORA_CACHE_ENV = "SGLANG_KT_LORA_CACHE_DIR"  # where sglang-kt splits a merged KT adapter (default /tmp)
 

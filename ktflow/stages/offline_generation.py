@@ -2,7 +2,7 @@
 in the training toolchain, through the driver :mod:`ktflow._drivers.offline_chat`.
 
 The driver gets the same LlamaFactory inference args the CPU endpoint gets
-(:func:`ktflow.serve.render_llamafactory_api`'s third element) and turns each OpenAI-style request
+(:func:`ktflow.stages.serve.render_llamafactory_api`'s third element) and turns each OpenAI-style request
 into the ``ChatModel.chat`` call that ``llamafactory-cli api`` makes for it, so at temperature 0
 an offline answer is the served endpoint's answer. The tool run is a :func:`ktflow.host.process.run_tool`
 child: it is stopped with its whole tree if the caller fails, times out, is cancelled or dies.
@@ -58,7 +58,7 @@ def generate_offline(
 
     Args:
         train_python: the training toolchain's python (LlamaFactory 0.9.5).
-        infer_config: LlamaFactory inference args, as :func:`ktflow.serve.render_llamafactory_api`
+        infer_config: LlamaFactory inference args, as :func:`ktflow.stages.serve.render_llamafactory_api`
             returns them (``model_name_or_path``, ``adapter_name_or_path``, ``template``, ...).
         requests: ``{"messages": [{"role", "content"}, ...], "max_tokens": int, "temperature": float}``
             each, as for an OpenAI chat completion (optional ``top_p``, ``do_sample``,

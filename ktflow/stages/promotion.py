@@ -100,12 +100,12 @@ def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_r
     production on ``host``, ``offline`` when generation through the training toolchain does, else
     ``swap``; never silently: the reason says which and why.
 
-    ``sizes``: :class:`~ktflow.serve.ServeSizes`; ``host``: a :class:`~ktflow.host.hardware.HostInfo`.
+    ``sizes``: :class:`~ktflow.stages.serve.ServeSizes`; ``host``: a :class:`~ktflow.host.hardware.HostInfo`.
     ``production_running``: production's memory is already in use on ``host`` (a live endpoint);
     else (a plan) it is added to the candidate's.
     """
     from ktflow.resources import RamNeed, gpu_shortfall, ram_shortfall
-    from ktflow.serve import candidate_needs, serve_needs
+    from ktflow.stages.serve import candidate_needs, serve_needs
 
     production = serve_needs(recipe, sizes)
     costs = {mode: candidate_needs(recipe, sizes, mode) for mode in ("beside", "offline", "swap")}
@@ -170,7 +170,7 @@ def _move_lock(registry: AdapterRegistry) -> contextlib.AbstractContextManager[N
 
 def _serving_now(record_dir: Path) -> Any:
     """The recorded endpoint if it is ready and alive, else None."""
-    from ktflow.serve import is_alive, read_endpoint
+    from ktflow.stages.serve import is_alive, read_endpoint
 
     endpoint = read_endpoint(record_dir)
     return endpoint if endpoint is not None and endpoint.state == "ready" and is_alive(endpoint) else None
@@ -201,8 +201,8 @@ def promote_version(recipe: Recipe, version: int, *, model_dir: Path, kt_weight_
                     base_dir: Path | None = None, why: str = "ktflow promote", log: Log = None) -> MoveResult:
     """Serve version ``version`` of the recipe's adapter and point production at it.
 
-    A running endpoint swaps adapters health-gated and smoke-tested (:func:`ktflow.serve.swap_adapter`:
-    the old adapter is restarted if the new one fails, and :class:`~ktflow.serve.SwapError` is
+    A running endpoint swaps adapters health-gated and smoke-tested (:func:`ktflow.stages.serve.swap_adapter`:
+    the old adapter is restarted if the new one fails, and :class:`~ktflow.stages.serve.SwapError` is
     raised); with none running, one is started. Idempotent: a version that already serves is left
     as it is. An interrupted earlier move is recovered first.
 
@@ -296,7 +296,7 @@ def _serve_adapter(recipe: Recipe, adapter_dir: Path, *, model_dir: Path, kt_wei
                    log: Log) -> Any:
     """Serve ``adapter_dir`` at the recipe's endpoint: a health-gated swap of a running server, or a
     fresh start (a stale record is cleared first)."""
-    from ktflow.serve import port_is_free, read_endpoint, serve, stop, swap_adapter
+    from ktflow.stages.serve import port_is_free, read_endpoint, serve, stop, swap_adapter
 
     record_dir = serving_dir(recipe)
     if running is not None:
@@ -312,14 +312,14 @@ def _serve_adapter(recipe: Recipe, adapter_dir: Path, *, model_dir: Path, kt_wei
 
 def _label_endpoint(record_dir: Path, endpoint: Any, version: int) -> Any:
     """``endpoint.json`` names the version it serves."""
-    from ktflow.serve import label_endpoint_version
+    from ktflow.stages.serve import label_endpoint_version
 
     return label_endpoint_version(record_dir, endpoint, version)
 
 
 def stop_serving(recipe: Recipe, log: Log = None) -> None:
     """Stop the recipe's endpoint (swap mode: a rejected first candidate, with nothing to go back to)."""
-    from ktflow.serve import stop
+    from ktflow.stages.serve import stop
 
     registry = registry_of(recipe)
     with _move_lock(registry):
@@ -347,8 +347,8 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     Raises:
         SwapError, ServerStartError: the candidate failed to serve (production is as it was).
     """
-    from ktflow.evaluate import evaluate_base_vs_tuned
-    from ktflow.serve import adapter_model_name
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned
+    from ktflow.stages.serve import adapter_model_name
 
     registry = registry_of(recipe)
     before = registry.production().version
@@ -423,9 +423,9 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     version that already serves in production and passed before is not judged again.
     The report goes to ``<store>/eval/<recipe>/v<N>/``.
     """
-    from ktflow.evaluate import Candidate, EvaluationResult, evaluate_candidate
     from ktflow.host.hardware import probe_host
-    from ktflow.serve import measure_serve, resolve_api_key
+    from ktflow.stages.evaluate import Candidate, EvaluationResult, evaluate_candidate
+    from ktflow.stages.serve import measure_serve, resolve_api_key
 
     registry = registry_of(recipe)
     record_dir = serving_dir(recipe)

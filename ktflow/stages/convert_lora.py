@@ -46,7 +46,7 @@ from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import run_tool
 from ktflow.resources import DiskNeed, Resources
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.sft import ADAPTER_FILES, tool_versions
+from ktflow.stages.sft import ADAPTER_FILES, tool_versions
 from ktflow.store import StageManifest
 
 STAGE = "convert-lora"

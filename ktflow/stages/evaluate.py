@@ -29,7 +29,7 @@ Metrics (all on a 0-100 scale, like LlamaFactory's ``predict_results.json``):
   references, it shows whether tuning carries to prompts the model has not seen.
 
 Before any request, the evaluation prompts are checked against the training data
-(:mod:`ktflow.contamination`): the overlap is reported, and a contaminated set is never grounds
+(:mod:`ktflow.stages.contamination`): the overlap is reported, and a contaminated set is never grounds
 for promotion unless ``evaluation.allow_contamination`` says so.
 """
 
@@ -47,9 +47,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ktflow.contamination import Contamination, find_overlaps
 from ktflow.errors import DatasetError, EvaluationError, KtflowError
 from ktflow.recipe import DatasetConfig, EvaluationConfig, Recipe, StyleMetric
+from ktflow.stages.contamination import Contamination, find_overlaps
 from ktflow.store import atomic_write_bytes, atomic_write_json
 
 GENERATIVE_METRICS = ("bleu-1", "bleu-2", "bleu-3", "bleu-4", "rouge-1", "rouge-2", "rouge-l")
@@ -376,7 +376,7 @@ def check_contamination(recipe: Recipe, records: Sequence[EvalRecord] | None = N
 
     Each record's last user message is compared with every user message of ``recipe.dataset``,
     exactly and normalized (question stems for ``task: multiple_choice``); see
-    :mod:`ktflow.contamination`.
+    :mod:`ktflow.stages.contamination`.
     """
     from ktflow.formats.dataset import user_prompts
 
@@ -573,7 +573,7 @@ def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | Non
     """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
     same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
     the evaluation, even when we are killed), stopped on the way out."""
-    from ktflow import serve as serving
+    from ktflow.stages import serve as serving
 
     try:
         port = serving.free_port(recipe.serving.host)
@@ -634,7 +634,7 @@ def evaluate_candidate(
     adapters at run time (``serving.dynamic_lora``: SGLang's ``/load_lora_adapter``), else a second
     server process on a free port, stopped (or the adapter unloaded) on the way out, whatever the
     verdict; ``offline``: answers generated through the training toolchain, no server at all.
-    ``production``: the recipe's running :class:`~ktflow.serve.Endpoint` (None: nothing serves yet).
+    ``production``: the recipe's running :class:`~ktflow.stages.serve.Endpoint` (None: nothing serves yet).
     ``model_dir`` is the base the adapter was trained on (the comparison's base model);
     ``serve_model_dir`` what a server loads it on.
 
@@ -653,7 +653,7 @@ def evaluate_candidate(
             production.adapter_dir if production is not None else None), out_dir=out_dir, **common)
     if mode != "beside":
         raise InvalidInputError("evaluation.candidate", f"{mode!r} judges a candidate after it serves, not beside it",
-                                "call ktflow.promotion for swap mode")
+                                "call ktflow.stages.promotion for swap mode")
     serving = recipe.serving
     if serving.backend == "sglang" and serving.dynamic_lora and production is not None:
         name = f"{serving.adapter_name}-candidate-v{candidate.version}"
@@ -712,8 +712,8 @@ def evaluate_offline(
     toolchain (LlamaFactory's own chat engine, as its API server answers): no server is started and
     nothing that serves is touched. Greedy at ``evaluation.temperature`` 0, so the answers are the
     ones the served model would give."""
-    from ktflow.offline_generation import generate_offline
-    from ktflow.serve import render_llamafactory_api
+    from ktflow.stages.offline_generation import generate_offline
+    from ktflow.stages.serve import render_llamafactory_api
 
     cfg = recipe.evaluation
     records = load_eval_records(cfg)

@@ -1,0 +1,26 @@
+"""The stages: one module per stage, each declared once for the runner (:mod:`ktflow.runner`).
+
+Artifact stages (a ``StageSpec``, published atomically with a manifest):
+
+- ``download.py``: a hub snapshot at a pinned revision, a local copy or a URI; verified.
+- ``dequantize.py``: INT4/FP8 -> BF16, streaming, multi-core, bit-exact.
+- ``sft.py``: LoRA SFT through LlamaFactory (plain, KT 0.7, legacy KT): render, launch, follow,
+  resume, the auto backend, publish.
+- ``convert_lora.py``: validate the adapter against its base; convert KT fused expert LoRA for SGLang.
+- ``quantize_int8.py``: kt-kernel's AMXINT8 CPU expert weights (the driver runs in the serving toolchain).
+
+Serving and promotion (a process and records, not an artifact):
+
+- ``serve.py``: the endpoint's lifecycle: start, health gate, smoke test, stop, swap with rollback.
+- ``sglang_launch.py``: the sglang-kt launch command and its rules.
+- ``evaluate.py``: base vs candidate vs production through the OpenAI API, or offline.
+- ``contamination.py``: the train/eval overlap check.
+- ``offline_generation.py``: answers through the training toolchain, no server.
+- ``promotion.py``: judge a candidate, promote, roll back, recover a killed move
+  (records: :mod:`ktflow.registry`).
+- ``weights.py``: which weights each stage reads, and where they live in the store.
+
+A stage may import the core (errors, units, recipe, resources, runner, store, registry), formats,
+host and planning, and another stage only for what it consumes (evaluate asks serve for a
+server, promotion asks evaluate and serve); nothing here imports Prefect (tasks/ and flows/ do).
+"""
