@@ -57,7 +57,7 @@ def main() -> int:
     import importlib
 
     from ktflow.demo import write_demo_dataset
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
     from ktflow.recipe import load_recipe
     from ktflow.stages.serve import stop
 

@@ -8,7 +8,7 @@ Command (from the repository root):
 
 What it does:
 1. Builds, in a fresh directory under ``--workdir`` (default ``.ktflow/bench/``; removed unless
-   ``--keep``), a BF16 DeepSeek-V3-architecture checkpoint with ``ktflow.fixtures.make_fixture``
+   ``--keep``), a BF16 DeepSeek-V3-architecture checkpoint with ``ktflow.fixtures.checkpoints.make_fixture``
    (default: 9 layers = 8 MoE layers of 64 experts, hidden 1024, moe_intermediate 512: 1.61 GB of
    BF16 routed experts, 201 MB per layer).
 2. Runs ``--repeat`` times (default 3), each in its own subprocess, in this order:
@@ -67,7 +67,7 @@ LABELS = {"bare": "a. bare kt-kernel path (no resume/verify)", "ours": "b. ktflo
 
 
 def job_build(src: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
     from ktflow.formats.checkpoint import inspect_checkpoint
 
     make_fixture(FixtureSpec(kind="bf16", layers=args.layers, experts=args.experts, hidden=args.hidden,

@@ -7,7 +7,7 @@ Command (from the repository root):
 
 What it does:
 1. Builds, in a fresh directory under ``--workdir`` (default ``.ktflow/bench/``; removed unless
-   ``--keep``), the tiny bf16 fixture (``ktflow.fixtures.make_fixture``, default dims: 3 layers,
+   ``--keep``), the tiny bf16 fixture (``ktflow.fixtures.checkpoints.make_fixture``, default dims: 3 layers,
    8 experts, hidden 256) and the demo dataset (``ktflow.demo.write_demo_dataset``), in a child.
 2. Runs ``--repeat`` times (default 3; small boxes are noisy), in this order, each as a subprocess
    whose wall time is taken from outside (the whole command: what a user waits for):
@@ -79,7 +79,7 @@ TRAIN_PACKAGES = ("llamafactory", "torch", "transformers", "peft", "accelerate")
 
 def job_build(work: Path) -> dict[str, Any]:
     from ktflow.demo import write_demo_dataset
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
 
     t0 = time.perf_counter()
     spec = FixtureSpec(kind="bf16")

@@ -8,7 +8,7 @@ Command (from the repository root):
 
 What it does:
 1. In a fresh directory under ``--workdir`` (default ``.ktflow/bench/``; removed unless
-   ``--keep``): the tiny bf16 fixture (``ktflow.fixtures.make_fixture``), the demo dataset
+   ``--keep``): the tiny bf16 fixture (``ktflow.fixtures.checkpoints.make_fixture``), the demo dataset
    (``ktflow.demo.write_demo_dataset``) and a ``--steps``-step LoRA adapter trained by
    ``ktflow.stages.sft.run_sft`` (recipe ``recipes/tiny-demo.yaml``, ``.venv-train`` as the toolchain) —
    in a child process, so this one never loads torch.
@@ -69,7 +69,7 @@ def overrides(work: Path, steps: int) -> list[str]:
 def job_prepare(work: Path, steps: int) -> dict[str, Any]:
     """In a child: the fixture, the data and the adapter."""
     from ktflow.demo import write_demo_dataset
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
     from ktflow.host.hardware import probe_host
     from ktflow.recipe import load_recipe
     from ktflow.stages.sft import run_sft

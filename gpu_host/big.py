@@ -599,8 +599,8 @@ def phase_report(work: Work) -> int:
 
 
 def child_reduced_fixture(out: str) -> int:
-    from ktflow.fixture_stream import MoeDims
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
+    from ktflow.fixtures.stream import MoeDims
 
     make_fixture(FixtureSpec(kind="kimi-k2.5", size="bigger-than-gpu"), out, dims=MoeDims(**REDUCED_DIMS))
     return 0

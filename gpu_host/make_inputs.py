@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ktflow.demo import STYLE_MARKER, TRAIN_TOPICS  # noqa: E402
-from ktflow.fixtures import FixtureSpec, make_fixture  # noqa: E402
+from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture  # noqa: E402
 
 MODELS = {"dsv3-bf16": FixtureSpec(kind="bf16", lm_head_std=0.2),
           "kimi-k25-int4": FixtureSpec(kind="kimi-k2.5", lm_head_std=0.2)}

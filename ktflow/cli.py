@@ -25,7 +25,8 @@ from ktflow.units import human_bytes
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-# ktflow.fixtures.FIXTURE_KINDS, spelled out so that `ktflow --help` does not import torch (a test keeps them equal)
+# ktflow.fixtures.checkpoints.FIXTURE_KINDS, spelled out so that `ktflow --help` does not import torch
+# (a test keeps them equal)
 FIXTURE_KINDS = ("kimi-k2.5", "kimi-k2", "deepseek-v3", "bf16", "deepseek-v2-lite")
 DEMO_RECIPE = Path("recipes/tiny-demo.yaml")
 
@@ -165,7 +166,7 @@ def _duration(seconds: float) -> str:
 def cmd_fixture(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
 
     spec = FixtureSpec(
         kind=args.kind, layers=args.layers, experts=args.experts, hidden=args.hidden,
@@ -179,7 +180,7 @@ def cmd_fixture(args: argparse.Namespace) -> int:
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
     form = " (full size)" if spec.full_size else ""
     if spec.streamed:
-        from ktflow.fixtures import fixture_dims, streamed_parameters
+        from ktflow.fixtures.checkpoints import fixture_dims, streamed_parameters
 
         vocab = json.loads((path / "config.json").read_text())["text_config"]["vocab_size"]
         params = streamed_parameters(fixture_dims(spec), vocab_size=vocab)
@@ -859,7 +860,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--architecture", choices=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
                    default="DeepseekV2ForCausalLM",
                    help="deepseek-v2-lite only: the model class (V3: DeepSeek-V3 routing, which kt-kernel 0.7.2 trains)")
-    p.add_argument("--size", choices=("tiny", "bigger-than-gpu"), default="tiny",  # ktflow.fixtures.FIXTURE_SIZES
+    # choices: ktflow.fixtures.checkpoints.FIXTURE_SIZES
+    p.add_argument("--size", choices=("tiny", "bigger-than-gpu"), default="tiny",
                    help="kimi-k2.5 only: bigger-than-gpu = Kimi's widths, 8 layers of 180 experts (57.1B parameters, "
                         "114 GB in BF16, 34.4 GB on disk), streamed one layer per shard")
 

@@ -11,7 +11,7 @@ import random
 import shutil
 from pathlib import Path
 
-from ktflow.fixtures import FixtureSpec
+from ktflow.fixtures.checkpoints import FixtureSpec
 from ktflow.store import atomic_write_bytes
 
 DEMO_MODEL = FixtureSpec(kind="kimi-k2.5", lm_head_std=0.2)
@@ -29,7 +29,7 @@ def ensure_demo_model(model_dir: Path) -> bool:
     spec = DEMO_MODEL.model_dump_json()
     if (model_dir / "config.json").exists() and record.is_file() and record.read_text(encoding="utf-8") == spec:
         return False
-    from ktflow.fixtures import make_fixture
+    from ktflow.fixtures.checkpoints import make_fixture
 
     if model_dir.exists():
         shutil.rmtree(model_dir)

@@ -26,7 +26,7 @@ import functools  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ktflow.fixtures import FixtureSpec, make_fixture  # noqa: E402
+from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture  # noqa: E402
 
 
 @functools.cache

@@ -185,7 +185,7 @@ def test_demo_finds_its_checkout_from_any_directory(tmp_path: Path) -> None:
 
 def test_fixture_kinds_in_the_cli_are_the_fixture_module_kinds() -> None:
     from ktflow.cli import FIXTURE_KINDS as CLI_KINDS
-    from ktflow.fixtures import FIXTURE_KINDS
+    from ktflow.fixtures.checkpoints import FIXTURE_KINDS
 
     assert CLI_KINDS == FIXTURE_KINDS
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ktflow.errors import InvalidInputError
-from ktflow.fixtures import FixtureSpec, make_fixture
+from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
 from ktflow.formats.safetensors_io import read_header
 
 KIMI_KINDS = ["kimi-k2.5", "kimi-k2"]
@@ -335,7 +335,7 @@ def test_deepseek_v2_lite_full_size_has_the_real_model_dimensions() -> None:
     """Checked on the meta device: the full-size checkpoint (31 GB) is written only on the GPU host."""
     from transformers import DeepseekV2ForCausalLM
 
-    from ktflow.fixtures import _deepseek_v2_lite_config
+    from ktflow.fixtures.checkpoints import _deepseek_v2_lite_config
 
     spec = FixtureSpec(kind="deepseek-v2-lite", full_size=True)
     config = _deepseek_v2_lite_config(spec, vocab_size=402, eos_id=2, pad_id=0)
@@ -371,7 +371,7 @@ BIG_SPEC = FixtureSpec(kind="kimi-k2.5", size="bigger-than-gpu")
 
 
 def reduced(layers: int = 4, **dims: int):
-    from ktflow.fixture_stream import MoeDims
+    from ktflow.fixtures.stream import MoeDims
 
     return MoeDims(**{**REDUCED, "layers": layers, **dims})
 
@@ -395,8 +395,8 @@ def test_bigger_than_gpu_holds_more_bf16_than_an_h100_and_its_int4_fits_the_host
     """From the plan and on the meta device: nothing of the 114 GB is allocated."""
     from transformers import DeepseekV3ForCausalLM
 
-    from ktflow.fixture_stream import BIGGER_THAN_GPU, deepseek_v3_config, parameter_count, plan_shards
-    from ktflow.fixtures import streamed_bytes, streamed_parameters
+    from ktflow.fixtures.checkpoints import streamed_bytes, streamed_parameters
+    from ktflow.fixtures.stream import BIGGER_THAN_GPU, deepseek_v3_config, parameter_count, plan_shards
 
     params = streamed_parameters(BIGGER_THAN_GPU, vocab_size=402)
     assert params >= 55e9 and 2 * params >= 1.3 * 80e9 and 2 * params >= 1.3 * H100_GPU_BYTES, params
@@ -418,7 +418,7 @@ def test_bigger_than_gpu_shapes_are_what_transformers_builds_for_its_dims() -> N
     bigger-than-gpu dims (meta device; routed experts are fused there, packed INT4 per expert here)."""
     from transformers import DeepseekV3ForCausalLM
 
-    from ktflow.fixture_stream import BIGGER_THAN_GPU, deepseek_v3_config, plan_shards
+    from ktflow.fixtures.stream import BIGGER_THAN_GPU, deepseek_v3_config, plan_shards
 
     dims = BIGGER_THAN_GPU
     with torch.device("meta"):
@@ -445,7 +445,7 @@ def test_bigger_than_gpu_shapes_are_what_transformers_builds_for_its_dims() -> N
 def test_streamed_layout_at_tiny_dims_is_the_tiny_fixture(fixture_dir, tmp_path: Path) -> None:
     """The streamed writer at the tiny fixture's dimensions gives what transformers + compressed-tensors
     give: the same files, tensor names, dtypes, shapes and shards, index and config.json."""
-    from ktflow.fixtures import tiny_dims
+    from ktflow.fixtures.checkpoints import tiny_dims
 
     tiny = fixture_dir("kimi-k2.5")
     streamed = make_fixture(BIG_SPEC, tmp_path / "streamed", dims=tiny_dims(FixtureSpec(kind="kimi-k2.5")))
@@ -459,8 +459,8 @@ def test_streamed_layout_at_tiny_dims_is_the_tiny_fixture(fixture_dir, tmp_path:
 
 
 def test_bigger_than_gpu_config_differs_from_the_tiny_one_only_in_its_dimensions(fixture_dir, tmp_path: Path) -> None:
-    from ktflow.fixture_stream import BIGGER_THAN_GPU
-    from ktflow.fixtures import streamed_config
+    from ktflow.fixtures.checkpoints import streamed_config
+    from ktflow.fixtures.stream import BIGGER_THAN_GPU
 
     tiny = config_of(fixture_dir("kimi-k2.5"))
     big = streamed_config(BIGGER_THAN_GPU, vocab_size=402, eos_id=2, pad_id=0, scratch=tmp_path / "scratch")
@@ -484,7 +484,7 @@ def _intended_codes(seed: int, name: str, rows: int, cols: int) -> torch.Tensor:
     """What the fast INT4 path means to store, derived here the slow way: the tensor's generator
     draws ``rows * cols / 16`` int64 words; byte k of a row (little-endian) holds column 2k in its
     low nibble and 2k+1 in its high one; a nibble n stands for code n - 8, and 0 is replaced by 8."""
-    from ktflow.fixture_stream import tensor_seed
+    from ktflow.fixtures.stream import tensor_seed
 
     generator = torch.Generator().manual_seed(tensor_seed(seed, name))
     words = torch.empty(rows * cols // 16, dtype=torch.int64).random_(-(2**63), None, generator=generator)
@@ -550,7 +550,7 @@ def test_streamed_fixture_loads_with_its_remote_code_and_gives_finite_logits(str
 
 
 def test_streamed_values_depend_on_the_seed_only_not_on_the_workers(tmp_path: Path) -> None:
-    from ktflow.fixture_stream import plan_shards, write_shards
+    from ktflow.fixtures.stream import plan_shards, write_shards
 
     dims = reduced(layers=3)
     shards = plan_shards(dims, vocab_size=402, pad_id=0)
@@ -578,8 +578,8 @@ def all_tensors_in(path: Path) -> dict[str, torch.Tensor]:
 _MEMORY_PROBE = """
 import json, os, sys
 import psutil
-from ktflow.fixture_stream import MoeDims
-from ktflow.fixtures import FixtureSpec, make_fixture
+from ktflow.fixtures.stream import MoeDims
+from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # two writer threads on any machine: a fixed bound
 spec, dims = FixtureSpec(kind="kimi-k2.5", size="bigger-than-gpu"), MoeDims.model_validate_json(sys.argv[2])
 # A 2-layer warm-up at tiny widths first: what it imports (transformers' config and tokenizer
@@ -601,7 +601,7 @@ def test_streamed_generation_keeps_memory_flat_as_layers_are_added(tmp_path: Pat
     import subprocess
     import sys
 
-    from ktflow.fixture_stream import plan_shards
+    from ktflow.fixtures.stream import plan_shards
 
     growth = {}
     for layers in (3, 10):
@@ -664,7 +664,7 @@ def test_fixture_sizes_in_the_cli_are_the_fixture_module_sizes() -> None:
     import argparse
 
     from ktflow.cli import build_parser
-    from ktflow.fixtures import FIXTURE_SIZES, STREAMED_SIZES
+    from ktflow.fixtures.checkpoints import FIXTURE_SIZES, STREAMED_SIZES
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     size = next(a for a in subparsers.choices["fixture"]._actions if a.dest == "size")

@@ -141,7 +141,7 @@ def _wait_for_training(setup: Setup, parent: str, timeout: float, ready=lambda: 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     from ktflow.demo import DEMO_MODEL, write_demo_dataset
-    from ktflow.fixtures import make_fixture
+    from ktflow.fixtures.checkpoints import make_fixture
 
     root = tmp_path_factory.mktemp("distributed")
     make_fixture(DEMO_MODEL, root / "model")

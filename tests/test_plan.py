@@ -278,7 +278,7 @@ def online_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     import huggingface_hub.utils._detect_agent as detect_agent
     from hubserver import FakeHub, FakeRepo
 
-    from ktflow.fixtures import FixtureSpec, make_fixture
+    from ktflow.fixtures.checkpoints import FixtureSpec, make_fixture
 
     model = make_fixture(FixtureSpec(kind="kimi-k2.5"), tmp_path / "model")
     repo = FakeRepo.from_dir("acme/kimi-tiny", model)

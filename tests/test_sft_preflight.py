@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ktflow.errors import HostRequirementError
-from ktflow.fixture_stream import BIGGER_THAN_GPU, MoeDims, plan_shards, shard_names
+from ktflow.fixtures.stream import BIGGER_THAN_GPU, MoeDims, plan_shards, shard_names
 from ktflow.formats.safetensors_io import header_bytes
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.planning.sizing import estimate_hf_sft_gpu_memory, model_size, sft_gpu_memory_problem
@@ -39,7 +39,7 @@ def gpu_host(gpus: int = 1) -> HostInfo:
 
 def headers_only_checkpoint(path: Path, dims: MoeDims = BIGGER_THAN_GPU) -> Path:
     """A kimi-k2.5 checkpoint of ``dims`` with real config, index and headers and no tensor data."""
-    from ktflow.fixtures import streamed_config
+    from ktflow.fixtures.checkpoints import streamed_config
 
     path.mkdir(parents=True)
     shards = plan_shards(dims, vocab_size=402, pad_id=0)
@@ -89,7 +89,7 @@ def test_the_estimate_matches_the_gpu_memory_measured_for_deepseek_v2_lite() -> 
     """benchmarks/kt_vs_hf.py leg a on the H100 host: 33,277 MiB over idle (README, docs/benchmarks/kt-vs-hf)."""
     from transformers import DeepseekV3ForCausalLM
 
-    from ktflow.fixtures import FixtureSpec, _deepseek_v2_lite_config
+    from ktflow.fixtures.checkpoints import FixtureSpec, _deepseek_v2_lite_config
     from ktflow.planning.sizing import _NOT_LORA, ModelSize
 
     spec = FixtureSpec(kind="deepseek-v2-lite", full_size=True, architecture="DeepseekV3ForCausalLM")
@@ -105,7 +105,7 @@ def test_the_estimate_matches_the_gpu_memory_measured_for_deepseek_v2_lite() -> 
 
 
 def test_headers_give_the_parameters_as_decoded_and_the_lora_targets(big_model: Path) -> None:
-    from ktflow.fixtures import _vision_modules, streamed_parameters
+    from ktflow.fixtures.checkpoints import _vision_modules, streamed_parameters
 
     size = model_size(big_model)
     vision = sum(p.numel() for p in _vision_modules(BIGGER_THAN_GPU.hidden).values())
