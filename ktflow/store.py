@@ -48,6 +48,7 @@ from pydantic import BaseModel, Field
 
 from ktflow import ENGINE_VERSION, __version__
 from ktflow.errors import ArtifactBusyError, HostRequirementError, InsufficientDiskError, StorageError
+from ktflow.formats.safetensors_io import fsync_dir
 from ktflow.units import human_bytes
 
 MANIFEST_NAME = "manifest.json"
@@ -162,15 +163,6 @@ def list_files(directory: Path) -> list[FileEntry]:
         if path.is_file() and not path.is_symlink() and path.name != MANIFEST_NAME:
             entries.append(FileEntry(path=path.relative_to(directory).as_posix(), size=path.stat().st_size))
     return entries
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new entry in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:

@@ -58,7 +58,14 @@ from typing import Any
 
 import torch
 
-from ktflow.formats.safetensors_io import DTYPE_SIZES, SafetensorsHeader, SafetensorsWriter, read_header, read_tensor
+from ktflow.formats.safetensors_io import (
+    DTYPE_SIZES,
+    SafetensorsHeader,
+    SafetensorsWriter,
+    fsync_dir,
+    read_header,
+    read_tensor,
+)
 
 EVENT_PREFIX = "KTFLOW-INT8 "
 PLAN_NAME = ".ktflow-int8-plan.json"
@@ -159,14 +166,6 @@ def emit(event: str, **fields: Any) -> None:
 
 class DriverError(RuntimeError):
     """Something this driver checks failed (the message says what); exit status 1."""
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _neutralize_pinning() -> None:
@@ -398,7 +397,7 @@ def _into_place(tmp: Path, final: Path, staging: Path, fsync: bool) -> Iterator[
         yield
         os.replace(tmp, final)
         if fsync:
-            _fsync_dir(staging)
+            fsync_dir(staging)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -44,6 +44,15 @@ DTYPE_SIZES: dict[str, int] = {
 
 
 @functools.cache
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new entry in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _torch_dtypes() -> dict[str, torch.dtype]:
     # torch is imported on first use: reading headers (inspect, cache checks, the SFT stage's
     # preflight) must not pay torch's ~1 s import.

@@ -25,17 +25,19 @@ log file and to a callback, so a stage's log shows the tool's progress as it hap
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -461,3 +463,17 @@ class LogFollower:
                     self.on_line(line[:10_000])
                 except Exception:  # noqa: BLE001 - a logging or progress callback must not break the run
                     pass
+
+
+@contextlib.contextmanager
+def ktflow_pythonpath() -> Iterator[str]:
+    """A directory holding only the ``ktflow`` package (a symlink), for a toolchain's ``PYTHONPATH``.
+
+    The toolchain finds ktflow without installing it, and nothing else of the orchestrator's
+    environment leaks in. Removed on exit.
+    """
+    import ktflow
+
+    with tempfile.TemporaryDirectory(prefix="ktflow-pkg-") as pkg_dir:
+        os.symlink(Path(ktflow.__file__).resolve().parent, Path(pkg_dir) / "ktflow")
+        yield pkg_dir

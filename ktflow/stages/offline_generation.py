@@ -10,38 +10,22 @@ child: it is stopped with its whole tree if the caller fails, times out, is canc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ktflow._drivers import offline_chat as driver
 from ktflow.errors import HostRequirementError, InvalidInputError, KtflowError, OfflineGenerationError, ToolError
-from ktflow.host.process import ThrottledLines, run_tool
+from ktflow.host.process import ThrottledLines, ktflow_pythonpath, run_tool
 from ktflow.store import atomic_write_json
 
 PLAN_NAME = "offline-plan.json"
 OUT_NAME = "offline-answers.json"
 LOG_NAME = "offline-chat.log"
 TAIL_LINES = 20
-
-
-@contextlib.contextmanager
-def ktflow_pythonpath() -> Iterator[str]:
-    """A directory holding only the ``ktflow`` package (a symlink), for a toolchain's ``PYTHONPATH``.
-
-    The toolchain finds ktflow without installing it, and nothing else of the orchestrator's
-    environment leaks in. Removed on exit.
-    """
-    import ktflow
-
-    with tempfile.TemporaryDirectory(prefix="ktflow-pkg-") as pkg_dir:
-        os.symlink(Path(ktflow.__file__).resolve().parent, Path(pkg_dir) / "ktflow")
-        yield pkg_dir
 
 
 def generate_offline(

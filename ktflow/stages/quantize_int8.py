@@ -50,7 +50,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +69,7 @@ from ktflow.formats.checkpoint import (
     read_weight_map,
 )
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
-from ktflow.host.process import run_tool
+from ktflow.host.process import ktflow_pythonpath, run_tool
 from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
@@ -597,7 +596,6 @@ def _run_driver(python: Path, plan_path: Path, log_path: Path, events: dict[str,
                 on_layer: Callable[[dict[str, Any]], None]) -> bool:
     """Run the driver once in the serving toolchain, collecting its events into ``events``
     (``layer``/``verify`` append to lists, others replace). True when it asks to be restarted."""
-    import ktflow
 
     for transient in ("recycle", "error", "verify_failed", "done"):
         events.pop(transient, None)
@@ -617,10 +615,7 @@ def _run_driver(python: Path, plan_path: Path, log_path: Path, events: dict[str,
         else:
             events[kind] = event
 
-    # PYTHONPATH names a directory holding only ktflow (a symlink), so the toolchain finds the
-    # package without installing it, and nothing else of the orchestrator's environment leaks in.
-    with tempfile.TemporaryDirectory(prefix="ktflow-pkg-") as pkg_dir:
-        os.symlink(Path(ktflow.__file__).resolve().parent, Path(pkg_dir) / "ktflow")
+    with ktflow_pythonpath() as pkg_dir:
         env = {**os.environ, "PYTHONPATH": pkg_dir, "PYTHONUNBUFFERED": "1"}
         argv = [str(python), "-m", "ktflow._drivers.kt_int8", "--plan", str(plan_path)]
         events["processes"] += 1
