@@ -115,7 +115,8 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     t = lap("probe_host", t)
     import rich.progress  # noqa: F401
 
-    from ktflow.stages.sft import _publish_adapter, dump_yaml, render_sft, run_key, tool_versions
+    from ktflow.host.process import tool_versions
+    from ktflow.stages.sft import _publish_adapter, dump_yaml, render_sft, run_key
     from ktflow.stages.weights import ensure_training_weights
     from ktflow.store import atomic_write_bytes
 

@@ -147,7 +147,7 @@ def test_too_little_ram_or_scratch_is_refused(fixture_dir, tmp_path: Path, monke
     # An AVX512 host whatever this CPU is (the RAM refusal is tested on every CPU), short of RAM.
     monkeypatch.setattr(hardware, "probe_host", lambda path=None: real(path).model_copy(update={
         "ram_available_bytes": 1 << 20, "cpu_variant": "avx512_bf16", "native_cpu_variant": "avx512_bf16"}))
-    monkeypatch.setattr(stage, "_toolchain_versions", lambda python: {"kt-kernel": "0.7.2"})
+    monkeypatch.setattr(stage, "tool_versions", lambda python, packages: {"kt-kernel": "0.7.2"})
     fake_python = tmp_path / "python"
     fake_python.write_text("")  # never run: the refusal comes first
     out = tmp_path / "out"
@@ -168,7 +168,7 @@ def test_a_cpu_without_the_int8_kernels_is_refused_before_any_work(advertised: s
     monkeypatch.setattr(hardware, "probe_host", lambda path=None: real(path).model_copy(update={
         "cpu_model": "Test CPU", "cpu_variant": advertised, "native_cpu_variant": native,
         "cpu_variant_overridden": advertised != native}))
-    monkeypatch.setattr(stage, "_toolchain_versions", lambda python: {"kt-kernel": "0.7.2"})
+    monkeypatch.setattr(stage, "tool_versions", lambda python, packages: {"kt-kernel": "0.7.2"})
     fake_python = tmp_path / "python"
     fake_python.write_text("")  # never run: the refusal comes first
     out = tmp_path / "out"

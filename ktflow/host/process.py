@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import signal
@@ -477,3 +478,21 @@ def ktflow_pythonpath() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="ktflow-pkg-") as pkg_dir:
         os.symlink(Path(ktflow.__file__).resolve().parent, Path(pkg_dir) / "ktflow")
         yield pkg_dir
+
+
+def tool_versions(python: Path, packages: Sequence[str]) -> dict[str, str]:
+    """Versions of ``packages`` installed in the toolchain whose python is ``python`` (absent ones,
+    or a toolchain that cannot be asked, are left out): what a stage's manifest records."""
+    code = (
+        "import json, importlib.metadata as m\n"
+        "out = {}\n"
+        f"for p in {list(packages)!r}:\n"
+        "    try: out[p] = m.version(p)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(out))"
+    )
+    try:
+        done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+        return json.loads(done.stdout) if done.returncode == 0 else {}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}

@@ -41,12 +41,12 @@ from pydantic import BaseModel
 
 from ktflow import ENGINE_VERSION
 from ktflow.errors import AdapterError, CheckpointError, HostRequirementError, InvalidInputError, KtflowError
+from ktflow.formats.adapter import ADAPTER_FILES
 from ktflow.formats.checkpoint import checkpoint_digest, inspect_checkpoint, read_weight_map
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
-from ktflow.host.process import run_tool
+from ktflow.host.process import run_tool, tool_versions
 from ktflow.resources import DiskNeed, Resources
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.stages.sft import ADAPTER_FILES, tool_versions
 from ktflow.store import StageManifest
 
 STAGE = "convert-lora"

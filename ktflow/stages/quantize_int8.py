@@ -49,7 +49,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +68,7 @@ from ktflow.formats.checkpoint import (
     read_weight_map,
 )
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
-from ktflow.host.process import ktflow_pythonpath, run_tool
+from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
 from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
@@ -243,16 +242,6 @@ def _sample_layers(layers: list[int], k: int) -> list[int]:
     return [layers[i] for i in picks]
 
 
-def _toolchain_versions(python: Path) -> dict[str, str]:
-    code = ("import json, importlib.metadata as m\nout = {}\nfor p in ('kt-kernel', 'torch', 'safetensors'):\n"
-            "    try: out[p] = m.version(p)\n    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
-    try:
-        done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
-        return json.loads(done.stdout) if done.returncode == 0 else {}
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return {}
-
-
 # --------------------------------------------------------------------------- the stage
 
 
@@ -368,7 +357,7 @@ def _serving_toolchain(serve_python: Path) -> dict[str, str]:
     if not serve_python.is_file():
         raise HostRequirementError(f"serve_python: {serve_python}", "does not exist.",
                                    "run `make serve-env`, or pass the python of the environment that has kt-kernel 0.7.2")
-    versions = _toolchain_versions(serve_python)
+    versions = tool_versions(serve_python, ("kt-kernel", "torch", "safetensors"))
     if "kt-kernel" not in versions:
         raise HostRequirementError(f"serve_python: {serve_python}", "has no kt-kernel installed.",
                                    "run `make serve-env` (kt-kernel 0.7.2, torch 2.9.1)")
