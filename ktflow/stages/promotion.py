@@ -202,7 +202,7 @@ def promote_version(recipe: Recipe, version: int, *, model_dir: Path, kt_weight_
     """Serve version ``version`` of the recipe's adapter and point production at it.
 
     A running endpoint swaps adapters health-gated and smoke-tested (:func:`ktflow.stages.serve.swap_adapter`:
-    the old adapter is restarted if the new one fails, and :class:`~ktflow.stages.serve.SwapError` is
+    the old adapter is restarted if the new one fails, and :class:`~ktflow.errors.SwapError` is
     raised); with none running, one is started. Idempotent: a version that already serves is left
     as it is. An interrupted earlier move is recovered first.
 

@@ -1,0 +1,87 @@
+"""The serve stage: a recipe's OpenAI-compatible endpoint as a managed process (LlamaFactory's API on
+CPU, sglang-kt on a GPU host).
+
+Lifecycle, in one record directory (``record_dir``):
+
+- :func:`serve` validates the adapter against the base (headers only), renders LlamaFactory's
+  inference YAML, starts ``llamafactory-cli api`` bound to ``serving.host`` (loopback by
+  default), waits until ``GET /v1/models`` answers *with the key* and lists the expected model
+  (and refuses a server that answers *without* it), then smoke-tests one chat completion
+  through the ``openai`` client. The endpoint is recorded atomically in ``endpoint.json``.
+- :func:`stop` stops the recorded server's whole process tree and removes the record;
+  idempotent.
+- :func:`swap_adapter` replaces the served adapter, KT style (one adapter per server, loaded at
+  start): validate the new adapter first (a bad one is refused while the old server keeps
+  serving), then **stop the old server and start the new one on the same port** (the recipe's
+  port is the endpoint clients know; a blue/green swap would need a proxy or twice the serving
+  RAM), health-gate and smoke-test it; if either fails, restart the previous adapter on the
+  same port, gate it again and raise :class:`SwapError`. Clients see a refused connection for
+  the few seconds between stop and ready. ``endpoint.json`` always names the adapter being
+  served and, under ``previous``, the last good adapter before it.
+
+The API key is always required. It comes from the environment variable named by
+``serving.api_key_env``, else from ``record_dir/api_key`` (created once, mode 0600, random).
+It reaches the server through its environment (LlamaFactory reads ``API_KEY``), never through
+argv, a log line or ``endpoint.json``. An empty ``API_KEY`` would switch LlamaFactory's check off,
+so an empty key is refused, and every start checks that a request *without* the key is refused.
+
+LlamaFactory's api serves exactly one model: ``API_MODEL_NAME`` is the only id ``/v1/models``
+lists, and the ``model`` field of a request is echoed, not used to route. ktflow names the
+tuned server's model ``<served_model_name>:<adapter_name>`` (SGLang's per-adapter naming) and a
+base server's ``<served_model_name>``; comparing base and tuned therefore takes two servers
+(see :mod:`ktflow.stages.evaluate`). With the HuggingFace backend the adapter is merged at load.
+
+Process ownership: the server is started in the caller's process group, without
+``PR_SET_PDEATHSIG`` (unless asked), and writes its output straight into ``server.log`` (not
+through a pipe), so it outlives a ``ktflow serve`` command that returns, while a Prefect
+cancellation (which kills the flow run's process group) takes it down. A marker variable in
+its environment (``KTFLOW_SERVER_RUN``) lets :func:`stop` also find anything it forked. A record
+with ``state: starting`` is written as soon as the process exists, so a crash of the
+orchestrator during the start never leaves an unrecorded server holding the port. Until the
+server is ready (health gate and smoke test passed, ``state: ready`` recorded) a
+:class:`ktflow.host.process.Guardian` watches the orchestrator: if it dies during the start (SIGKILL
+included), the half-started server and everything carrying its marker are stopped, and the next
+:func:`serve` finds the stale ``starting`` record and clears it. Only a ready server outlives us.
+
+Modules: ``records.py`` (the endpoint record, ports, keys), ``process.py`` (start, readiness gate,
+smoke test), ``llamafactory.py`` and ``sglang.py`` (the two backends' launches; plain SGLang's
+no-downtime adapter swap), ``stage.py`` (serve, stop, swap with rollback, and what serving and a
+candidate cost). The names callers use are re-exported here.
+"""
+
+from ktflow.stages.serve.llamafactory import INFER_YAML, dump_infer_yaml, render_llamafactory_api
+from ktflow.stages.serve.process import smoke_test, start_server
+from ktflow.stages.serve.records import (
+    API_KEY_FILE,
+    ENDPOINT_FILE,
+    LLAMAFACTORY_KEY_ENV,
+    MIN_KEY_LENGTH,
+    SERVER_LOG,
+    SERVER_MARKER,
+    SMOKE_PROMPT,
+    AdapterRef,
+    Endpoint,
+    FailedSwap,
+    adapter_model_name,
+    api_key_for,
+    base_url,
+    client_host,
+    free_port,
+    is_alive,
+    label_endpoint_version,
+    port_is_free,
+    port_is_open,
+    read_endpoint,
+    resolve_api_key,
+)
+from ktflow.stages.serve.sglang import LoadedAdapter, SglangAdapters, serve_python, swap_sglang_adapter
+from ktflow.stages.serve.stage import ServeSizes, candidate_needs, measure_serve, serve, serve_needs, stop, swap_adapter
+
+__all__ = [
+    "API_KEY_FILE", "AdapterRef", "ENDPOINT_FILE", "Endpoint", "FailedSwap", "INFER_YAML", "LLAMAFACTORY_KEY_ENV",
+    "LoadedAdapter", "MIN_KEY_LENGTH", "SERVER_LOG", "SERVER_MARKER", "SMOKE_PROMPT", "ServeSizes",
+    "SglangAdapters", "adapter_model_name", "api_key_for", "base_url", "candidate_needs", "client_host",
+    "dump_infer_yaml", "free_port", "is_alive", "label_endpoint_version", "measure_serve", "port_is_free",
+    "port_is_open", "read_endpoint", "render_llamafactory_api", "resolve_api_key", "serve", "serve_needs",
+    "serve_python", "smoke_test", "start_server", "stop", "swap_adapter", "swap_sglang_adapter",
+]
