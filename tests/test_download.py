@@ -13,7 +13,8 @@ import fsspec
 import pytest
 from hubserver import FakeHub, FakeRepo
 
-import ktflow.stages.download as dl
+import ktflow.stages.download.common as dl_common
+import ktflow.stages.download.uri as dl_uri
 import ktflow.store as store
 from ktflow.errors import (
     CheckpointError,
@@ -73,7 +74,7 @@ def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
 def no_backoff_sleep(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Record our retry delays instead of sleeping them."""
     delays: list[float] = []
-    monkeypatch.setattr(dl, "_sleep", delays.append)
+    monkeypatch.setattr(dl_common, "_sleep", delays.append)
     return delays
 
 
@@ -525,8 +526,8 @@ def test_file_uri_resumes_a_partial_copy(tmp_path: Path, monkeypatch: pytest.Mon
 
     # What an interrupted copy leaves behind: a prefix in the staging dir.
     fs, root = fsspec.core.url_to_fs(uri)
-    identity = dl._digest_json(
-        {"uri": uri, "allow_patterns": None, "files": [[r, *v] for r, v in sorted(dl._list_uri(fs, root).items())]}
+    identity = dl_common._digest_json(
+        {"uri": uri, "allow_patterns": None, "files": [[r, *v] for r, v in sorted(dl_uri._list_uri(fs, root).items())]}
     )
     staging = staging_dir_for(tmp_path / "store" / "weights" / f"uri-{identity[:16]}")
     staging.mkdir(parents=True)
@@ -554,7 +555,7 @@ def test_file_uri_resumes_a_partial_copy(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_uri_size_mismatch_fails_and_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     uri, files = _memory_checkpoint()
-    real = dl._list_uri
+    real = dl_uri._list_uri
 
     def lying(fs, root):  # the listing promises more bytes than the object holds
         out = real(fs, root)
@@ -562,7 +563,7 @@ def test_uri_size_mismatch_fails_and_publishes_nothing(tmp_path: Path, monkeypat
         out["model.safetensors"] = (size + 1, version)
         return out
 
-    monkeypatch.setattr(dl, "_list_uri", lying)
+    monkeypatch.setattr(dl_uri, "_list_uri", lying)
     with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
         download_checkpoint(uri_source(uri), tmp_path)
     published = [p for p in (tmp_path / "weights").iterdir() if not p.name.startswith(".")]

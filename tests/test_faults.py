@@ -561,12 +561,14 @@ def test_convert_lora_adapter_changed_mid_run_is_refused(tmp_path: Path, fixture
 
 def test_download_uri_source_changed_mid_copy_is_refused(tmp_path: Path, fixture_dir, monkeypatch) -> None:
     import ktflow.stages.download as dl
+    import ktflow.stages.download.uri as dl_uri
+    from ktflow.errors import DownloadError
     from ktflow.recipe import SourceConfig
 
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("kimi-k2.5"), src)
     source = SourceConfig(uri=src.as_uri(), format="kimi-k2.5-int4")
-    original = dl._copy_resumable
+    original = dl_uri._copy_resumable
     calls = []
 
     def source_rewritten(fs, remote, dest, size):
@@ -578,12 +580,12 @@ def test_download_uri_source_changed_mid_copy_is_refused(tmp_path: Path, fixture
             os.utime(victim, ns=(time.time_ns(), time.time_ns() + 10**9))
         return digest
 
-    monkeypatch.setattr(dl, "_copy_resumable", source_rewritten)
+    monkeypatch.setattr(dl_uri, "_copy_resumable", source_rewritten)
     store = tmp_path / "store"
-    with pytest.raises(dl.DownloadError, match="changed while being copied"):
+    with pytest.raises(DownloadError, match="changed while being copied"):
         dl.download_checkpoint(source, store, max_workers=1)
     assert not store.exists() or list(store.rglob("*")) == []  # no artifact, no staging of a dead version
-    monkeypatch.setattr(dl, "_copy_resumable", original)
+    monkeypatch.setattr(dl_uri, "_copy_resumable", original)
     result = dl.download_checkpoint(source, store, max_workers=2)
     clean = dl.download_checkpoint(source, tmp_path / "clean").path
     assert_same_artifact(result.path, clean)
@@ -592,12 +594,14 @@ def test_download_uri_source_changed_mid_copy_is_refused(tmp_path: Path, fixture
 
 def test_download_local_source_changed_while_identified_is_refused(tmp_path: Path, fixture_dir, monkeypatch) -> None:
     import ktflow.stages.download as dl
+    import ktflow.stages.download.local as dl_local
+    from ktflow.errors import DownloadError
     from ktflow.recipe import SourceConfig
 
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("kimi-k2"), src)
     source = SourceConfig(local_path=src, format="kimi-k2-int4")
-    original = dl._sampled_hash
+    original = dl_local._sampled_hash
 
     def rewritten(path: Path, size: int) -> str:
         digest = original(path, size)
@@ -605,10 +609,10 @@ def test_download_local_source_changed_while_identified_is_refused(tmp_path: Pat
             os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
         return digest
 
-    monkeypatch.setattr(dl, "_sampled_hash", rewritten)
-    with pytest.raises(dl.DownloadError, match="changed while the checkpoint was being identified"):
+    monkeypatch.setattr(dl_local, "_sampled_hash", rewritten)
+    with pytest.raises(DownloadError, match="changed while the checkpoint was being identified"):
         dl.download_checkpoint(source, tmp_path / "store", max_workers=1)
-    monkeypatch.setattr(dl, "_sampled_hash", original)
+    monkeypatch.setattr(dl_local, "_sampled_hash", original)
     first = dl.download_checkpoint(source, tmp_path / "store")
     again = dl.download_checkpoint(source, tmp_path / "store")
     assert not first.cached and again.cached and again.manifest_digest == first.manifest_digest
@@ -661,9 +665,10 @@ elif stage == "convert-lora":
                         serve_python=Path(sys.executable))
 elif stage == "download":
     import ktflow.stages.download as dl
+    import ktflow.stages.download.uri as dl_uri
     from ktflow.recipe import SourceConfig
-    original = dl._copy_resumable
-    dl._copy_resumable = lambda *a: (time.sleep(0.3), original(*a))[1]
+    original = dl_uri._copy_resumable
+    dl_uri._copy_resumable = lambda *a: (time.sleep(0.3), original(*a))[1]
     r = dl.download_checkpoint(SourceConfig(**args["source"]), Path(args["store"]), max_workers=1)
 elif stage == "quantize-int8":
     from ktflow.stages.quantize_int8 import quantize_int8
