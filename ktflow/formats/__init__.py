@@ -7,4 +7,7 @@
   (Kimi-K2.5/K2 INT4, DeepSeek FP8, BF16), and a checkpoint's cheap identity digest.
 - ``dataset.py``: dataset validation and normalization for LlamaFactory (alpaca, sharegpt, openai),
   every bad record named by file and line.
+- ``adapter.py``: the files a LoRA adapter directory holds (PEFT's, and KT's fused expert LoRA).
+
+Imports: errors, units, store, recipe; never a stage.
 """

@@ -496,3 +496,20 @@ def tool_versions(python: Path, packages: Sequence[str]) -> dict[str, str]:
         return json.loads(done.stdout) if done.returncode == 0 else {}
     except (OSError, subprocess.SubprocessError, ValueError):
         return {}
+
+
+@contextlib.contextmanager
+def single_thread_torch() -> Iterator[None]:
+    """Run torch single-threaded inside the block (restored after).
+
+    Callers parallelize across tensors with a thread pool; torch's own intra-op threads would oversubscribe
+    the cores.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -21,7 +21,7 @@ import shutil
 import threading
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import islice
@@ -50,6 +50,7 @@ from ktflow.formats.safetensors_io import (
     read_header,
     read_tensor,
 )
+from ktflow.host.process import single_thread_torch
 from ktflow.resources import DiskNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_json
@@ -413,21 +414,6 @@ def _pread_exact(fd: int, buf: torch.Tensor, offset: int, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- the stage
-
-
-@contextmanager
-def single_thread_torch() -> Iterator[None]:
-    """Run torch single-threaded inside the block (restored after).
-
-    Callers parallelize across tensors with a thread pool; torch's own intra-op threads would oversubscribe
-    the cores.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _strip_quantization_config(config: Any) -> Any:
