@@ -81,7 +81,8 @@ def test_each_module_imports_only_what_its_layer_may(path: Path) -> None:
         top = name.split(".")[0]
         # The command line starts flows (`ktflow run`, `ktflow demo`) and announces moves, lazily.
         if part != "cli":
-            assert top not in ("prefect", "tasks", "flows", "blocks"), f"{module} imports {name}: the engine never imports Prefect"
+            assert top not in ("prefect", "tasks", "flows", "blocks"), \
+                f"{module} imports {name}: the engine never imports Prefect"
         if top != "ktflow" or allowed is None:
             continue
         target = _part(name)

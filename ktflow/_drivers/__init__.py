@@ -8,4 +8,9 @@ torch, safetensors, the tool itself, and the import-light parts of ktflow (``ktf
 
 Drivers talk back through stdout: one line per event, ``<PREFIX> <json>``, which the orchestrator
 parses while it streams the tool's output to the stage log.
+
+- ``kt_int8.py``: kt-kernel's own AMXINT8 quantizer driven per layer, in the serving toolchain
+  (``ktflow.stages.quantize_int8``).
+- ``offline_chat.py``: LlamaFactory's chat engine answering OpenAI-style requests, in the training
+  toolchain (``ktflow.stages.offline_generation``).
 """
