@@ -66,13 +66,7 @@ def generate_offline(
     if not train_python.exists():
         raise HostRequirementError("toolchains.train.python", f"{train_python} does not exist",
                                    "install the training toolchain (make train-env)")
-    plan = {"infer_config": dict(infer_config), "requests": list(requests)}
-    try:
-        driver.check_plan(plan)
-    except driver.PlanError as exc:
-        raise InvalidInputError("offline generation", str(exc),
-                                "send what LlamaFactory's API accepts: an optional leading system message, then "
-                                "user/assistant turns ending with a user turn") from None
+    plan = _checked_plan(infer_config, requests)
     work_dir = Path(work_dir).absolute()
     work_dir.mkdir(parents=True, exist_ok=True)
     plan_path, out_path, log_path = work_dir / PLAN_NAME, work_dir / OUT_NAME, work_dir / LOG_NAME
@@ -94,6 +88,18 @@ def generate_offline(
         except KtflowError as exc:  # ran past timeout_s, or could not start
             raise OfflineGenerationError(f"offline generation failed: {exc}", list(tail), log_path) from None
     return _read_answers(out_path, len(plan["requests"]), list(tail), log_path)
+
+
+def _checked_plan(infer_config: dict[str, Any], requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The driver's plan, refused here (nothing started) when LlamaFactory's API would refuse a request."""
+    plan = {"infer_config": dict(infer_config), "requests": list(requests)}
+    try:
+        driver.check_plan(plan)
+    except driver.PlanError as exc:
+        raise InvalidInputError("offline generation", str(exc),
+                                "send what LlamaFactory's API accepts: an optional leading system message, then "
+                                "user/assistant turns ending with a user turn") from None
+    return plan
 
 
 def _driver_events(log: Callable[[str], None] | None
