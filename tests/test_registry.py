@@ -217,3 +217,20 @@ def test_rollback_skips_a_candidate_that_served_only_to_be_judged_and_failed(tmp
     registry.finish_move(3, "ktflow promote")  # promoted by hand, failed verdict or not: it counts
     registry.finish_move(2, "ktflow promote")
     assert registry.rollback_target().version == 3
+
+
+def test_a_version_trained_on_another_base_is_refused_before_the_server_is_touched(tmp_path: Path) -> None:
+    from ktflow.errors import AdapterError
+    from ktflow.stages.promotion import promote_version
+
+    recipe = load_recipe(REPO / "recipes/tiny-demo.yaml", [f"store.root={tmp_path / 'store'}"])
+    registry = AdapterRegistry(recipe.store.root, recipe.name)
+    registry.register(_adapter(tmp_path, "a1", "w1"), _lineage(tmp_path))
+    other = _lineage(tmp_path).model_copy(update={"base_digest": "c" * 64, "base_dir": tmp_path / "other-base"})
+    registry.register(_adapter(tmp_path, "a2", "w2"), other)
+    registry.finish_move(1, "promoted")
+    with pytest.raises(AdapterError, match=r"demo v2: was trained on base cccccccccccc \(.*other-base\), not on v1's "
+                                           r"base \(bbbbbbbbbbbb\)"):
+        promote_version(recipe, 2, model_dir=tmp_path / "model")
+    assert registry.production().version == 1 and registry.pending() is None
+    assert not (recipe.store.root / "serving").exists()  # nothing was started, stopped or recorded
