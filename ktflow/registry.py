@@ -45,7 +45,8 @@ CandidateMode = Literal["beside", "offline", "swap"]
 VerdictStatus = Literal["passed", "failed", "not-evaluated"]
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """Now, as every record here writes a time (UTC, to the second)."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
@@ -81,7 +82,7 @@ class Verdict(BaseModel):
     report: Path | None = None  # the evaluation report (report.md)
     served_window: tuple[str, str] | None = None  # swap mode: when the candidate took production traffic
     evaluation_digest: str = ""  # the evaluation settings and held-out files it was judged with
-    at: str = Field(default_factory=_now)
+    at: str = Field(default_factory=utc_now)
 
 
 class AdapterVersion(BaseModel):
@@ -91,7 +92,7 @@ class AdapterVersion(BaseModel):
     version: int
     adapter_dir: Path  # the converted adapter a server loads
     adapter_digest: str  # its manifest digest: the same adapter is the same version
-    created_at: str = Field(default_factory=_now)
+    created_at: str = Field(default_factory=utc_now)
     lineage: Lineage
     verdict: Verdict | None = None
 
@@ -103,7 +104,7 @@ class AdapterVersion(BaseModel):
 class Move(BaseModel):
     """One move of the production pointer."""
 
-    at: str = Field(default_factory=_now)
+    at: str = Field(default_factory=utc_now)
     from_version: int | None
     to_version: int | None  # None: production was cleared (a rejected first candidate in swap mode)
     why: str  # "promoted (gate passed)", "ktflow promote", "ktflow rollback", "recovered after a crash"
@@ -126,7 +127,7 @@ class PendingMove(BaseModel):
     model_dir: Path  # what the server serves the adapter on, to restart either side after a crash
     kt_weight_dir: Path | None = None
     pid: int = Field(default_factory=os.getpid)
-    started_at: str = Field(default_factory=_now)
+    started_at: str = Field(default_factory=utc_now)
 
 
 class AdapterRegistry:

@@ -7,7 +7,6 @@ version (a health-gated swap of production) and emits ``ktflow.adapter.promoted`
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from prefect.logging import get_run_logger
 
 from ktflow.host.process import ThrottledLines
 from ktflow.recipe import Recipe
-from ktflow.stages.promotion import Judgement, judge_candidate, promote_version, registry_of
+from ktflow.stages.promotion import Judgement, evaluation_digest, judge_candidate, promote_version, registry_of
 from ktflow.stages.promotion import serving_dir as serving_dir  # re-exported: where the endpoint is recorded
 from ktflow.stages.serve import Endpoint, adapter_model_name, is_alive, read_endpoint, serve, stop
 from tasks._common import StageCachePolicy, retry_unless_invalid_input
@@ -71,9 +70,7 @@ def _judgement_key(inputs: dict[str, Any]) -> str | None:
     if production is not None and not is_alive(production):
         return None
     served = [production.pid, production.started_at, production.adapter_manifest_digest] if production else None
-    files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in recipe.evaluation.files]
-    return json.dumps([recipe.evaluation.model_dump(mode="json"), files, inputs["model_dir"], candidate.adapter_digest,
-                       served], sort_keys=True)
+    return json.dumps([evaluation_digest(recipe, Path(inputs["model_dir"])), candidate.adapter_digest, served])
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_invalid_input,

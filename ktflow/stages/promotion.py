@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,9 @@ from ktflow.registry import (
     PendingMove,
     Trigger,
     Verdict,
+    utc_now,
 )
-from ktflow.store import read_manifest
+from ktflow.store import atomic_write_bytes, read_manifest
 
 Log = Callable[[str], None] | None
 
@@ -354,7 +354,7 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     before = registry.production().version
     moved = promote_version(recipe, version, model_dir=serve_model_dir, kt_weight_dir=kt_weight_dir,
                             base_dir=model_dir, why=JUDGING_MOVE, log=log)
-    started = _now()
+    started = utc_now()
     endpoint = moved.endpoint
     result = evaluate_base_vs_tuned(recipe, model_dir=model_dir, tuned_url=endpoint.url,
                                     tuned_model=adapter_model_name(recipe), api_key=api_key, out_dir=out_dir,
@@ -368,11 +368,7 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     elif before is None:
         stop_serving(recipe, log)
         registry.clear_production(f"swap mode: v{version} failed its gate and nothing served before it")
-    return SwapJudgement(evaluation=result, window=(started, _now()), restored=before)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return SwapJudgement(evaluation=result, window=(started, utc_now()), restored=before)
 
 
 # --------------------------------------------------------------------------- judging a candidate
@@ -439,7 +435,7 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     choice = choose_candidate_mode(recipe, sizes, host or probe_host(recipe.store.root),
                                    production_running=production is not None)
     before = candidate.verdict
-    judged_with = _evaluation_digest(recipe, model_dir)
+    judged_with = evaluation_digest(recipe, model_dir)
     if production_version == version and before is not None and before.status == "passed" and \
             before.evaluation_digest == judged_with and (out_dir / EVALUATION_JSON).is_file():
         evaluation = EvaluationResult.model_validate_json((out_dir / EVALUATION_JSON).read_text(encoding="utf-8"))
@@ -459,19 +455,17 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
                                         out_dir=out_dir, log=log)
     judgement = Judgement(version=version, evaluation=evaluation, choice=choice,
                           production_version=production_version, window=window)
-    from ktflow.store import atomic_write_bytes
-
     atomic_write_bytes(out_dir / EVALUATION_JSON, evaluation.model_dump_json(indent=2).encode())
     registry.record_verdict(version, Verdict(
-        status="passed" if judgement.accepted or evaluation.promoted else "failed",
+        status="passed" if judgement.accepted else "failed",
         enforced=evaluation.gate_enforced, summary=judgement.summary(), mode=choice.mode,
         report=evaluation.report_md, served_window=window, evaluation_digest=judged_with))
     return judgement
 
 
-def _evaluation_digest(recipe: Recipe, model_dir: Path) -> str:
-    """What a verdict depends on besides the adapter: the evaluation settings, the held-out files'
-    bytes and the base compared against."""
+def evaluation_digest(recipe: Recipe, model_dir: Path) -> str:
+    """What a verdict depends on besides the adapter and production: the evaluation settings, the
+    held-out files' bytes and the base compared against."""
     import hashlib
 
     files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in recipe.evaluation.files]
