@@ -213,17 +213,18 @@ def test_the_pipeline_on_postgresql_completes_across_a_server_restart_in_the_mid
     assert summary["evaluate"].startswith("adapter applied: True"), summary["evaluate"]
     # Nothing of the run is lost: the stage's result, artifacts and state are the server's, its
     # progress ended at 100%, and its log reached the server from before the outage and on after
-    # it. A log line emitted while the server was down can be dropped by Prefect's log worker
-    # (seen once, for one step: it sends a batch and does not keep one it could not send), so only
-    # a gap of consecutive steps is tolerated, and reported.
+    # it. A log line emitted while the server was down can be dropped by Prefect's log worker (it
+    # sends a batch and does not keep one it could not send; seen for steps 5 and 15 with 10
+    # delivered between them by a retry), so lines missing from one short window of the run are
+    # tolerated, and reported; a log that stopped reaching the server would miss far more.
     every = recipe["sft"]["logging_steps"]
     expected = sorted(range(every, recipe["sft"]["max_steps"] + 1, every))
     logged = {int(m.group(1)) for log in all_logs(setup, sft["id"])
               if (m := re.search(r"step (\d+)/\d+ loss", log["message"]))}
     missing = [step for step in expected if step not in logged]
     if missing:
-        gap = expected[expected.index(missing[0]):expected.index(missing[-1]) + 1]
-        assert missing == gap and len(gap) <= 3 and expected[-1] in logged, (missing, sorted(logged))
+        window = expected.index(missing[-1]) - expected.index(missing[0]) + 1
+        assert window <= 4 and expected[-1] in logged and len(logged) >= len(expected) - 4, (missing, sorted(logged))
         print(f"\nlog lines of steps {missing} (emitted while the server was down) did not reach it")
     [progress] = setup.artifacts(sft["id"], "sft-progress")
     assert float(progress["data"]) == 100.0
