@@ -109,6 +109,18 @@ class ArtifactBusyError(KtflowError):
     """Another process holds the artifact's lock and the caller asked not to wait."""
 
 
+class ArtifactStoreError(KtflowError):
+    """The artifact store (the URL what crosses hosts travels through) cannot be reached or written."""
+
+
+class ArtifactNotPublishedError(InvalidInputError):
+    """No complete artifact (its transfer manifest) is published under the key asked for."""
+
+
+class ArtifactCorruptError(ArtifactStoreError):
+    """A fetched object's size or sha256 differs from its transfer manifest (corrupt or truncated)."""
+
+
 class DownloadError(KtflowError):
     """The download could not complete: the source kept failing, or bytes did not verify."""
 

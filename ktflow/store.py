@@ -194,6 +194,15 @@ def publish_dir(staging: Path, final_dir: Path, manifest: StageManifest, *, fsyn
     if not manifest.files:
         manifest = manifest.model_copy(update={"files": list_files(staging)})
     atomic_write_bytes(staging / MANIFEST_NAME, manifest.model_dump_json(indent=2).encode(), fsync=fsync)
+    rename_into_place(staging, final_dir, fsync=fsync)
+    return manifest
+
+
+def rename_into_place(staging: Path, final_dir: Path, *, fsync: bool = True) -> None:
+    """Rename the complete ``staging`` to ``final_dir``, replacing an artifact of ours there.
+
+    Anything else under the final name is an error rather than silently deleted.
+    """
     if final_dir.exists():
         if read_manifest(final_dir) is None:
             raise FileExistsError(f"{final_dir} exists and is not a ktflow artifact; refusing to replace it")
@@ -207,7 +216,6 @@ def publish_dir(staging: Path, final_dir: Path, manifest: StageManifest, *, fsyn
         os.replace(staging, final_dir)
     if fsync:
         fsync_dir(final_dir.parent)
-    return manifest
 
 
 # --------------------------------------------------------------------------- faults: space, permissions, locks
