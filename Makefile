@@ -51,7 +51,7 @@ KT_VENV := .venv-kt-train
 KT_STAMP := $(KT_VENV)/.ktflow-installed
 KT_PKGS := 'ktransformers[sft]==0.7.2' torch==2.9.1 torchaudio==2.9.1
 
-.PHONY: demo test env train-env serve-env kt-train-env browser lock lock-train lock-serve lock-kt-train clean-env
+.PHONY: demo test env train-env serve-env kt-train-env browser sshd lock lock-train lock-serve lock-kt-train clean-env
 
 env: $(STAMP)
 train-env: $(TRAIN_STAMP)
@@ -95,8 +95,14 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; }
 
+# Debian's OpenSSH server for the artifact-store tests (a real SFTP server: tests/sftp_server.py); apt only when absent.
+sshd:
+	@test -x /usr/sbin/sshd || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends openssh-server; }
+
 # The linter first (seconds): pyflakes, pycodestyle and import order as pyproject.toml's [tool.ruff] sets them.
-test: $(STAMP) $(TRAIN_STAMP) $(LEGACY_STAMP) $(SERVE_STAMP) $(KT_STAMP) browser
+test: $(STAMP) $(TRAIN_STAMP) $(LEGACY_STAMP) $(SERVE_STAMP) $(KT_STAMP) browser sshd
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

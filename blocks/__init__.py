@@ -1,5 +1,5 @@
-"""Prefect Block types of ktflow: where the store is, which Python runs a stage's tools, the HF
-credentials, and a served endpoint.
+"""Prefect Block types of ktflow: where the store is, the artifact store what crosses hosts goes
+through, which Python runs a stage's tools, the HF credentials, and a served endpoint.
 
 Register them once per server with ``prefect block register -m blocks`` (from the checkout),
 then create documents in the UI or in Python (``ModelStore(root="/mnt/store").save("shared")``).
@@ -13,8 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect.blocks.core import Block
+from prefect.types import SecretDict
 from pydantic import Field, SecretStr
 
+from ktflow.artifact_store import ArtifactStore as ArtifactStoreClient
+from ktflow.artifact_store import check_artifact_url
 from ktflow.recipe import Recipe
 from ktflow.recipe import Toolchain as RecipeToolchain
 
@@ -31,6 +34,31 @@ class ModelStore(Block):
     def apply(self, recipe: Recipe) -> Recipe:
         """``recipe`` with its store root replaced by this store's."""
         return recipe.model_copy(update={"store": recipe.store.model_copy(update={"root": Path(self.root)})})
+
+
+class ArtifactStore(Block):
+    """Where what crosses hosts travels (the SFT adapter), with this host's credentials for it.
+
+    Hosts without a shared filesystem each keep their own store; a worker started with
+    ``ktflow worker --artifacts BLOCK`` reaches the artifact store through this block. The
+    credentials stay in the block (secret) and never enter a recipe, argv or log.
+    """
+
+    _block_type_name = "ktflow Artifact Store"
+    _block_type_slug = "ktflow-artifact-store"
+    _description = "An fsspec URL (sftp://, s3://, gs://, az://, file://) and the credentials to reach it."
+
+    url: str = Field(description="e.g. sftp://ktflow@srv1/srv/ktflow-artifacts or s3://bucket/ktflow; no password")
+    storage_options: SecretDict = Field(
+        default_factory=lambda: SecretDict({}),
+        description="fsspec options with the credentials, e.g. {\"key_filename\": \"/etc/ktflow/id_ed25519\"} "
+                    "(sftp) or {\"key\": ..., \"secret\": ..., \"client_kwargs\": {\"endpoint_url\": ...}} (s3)")
+
+    def store(self, url: str | None = None) -> ArtifactStoreClient:
+        """The artifact store client: this block's URL (the recipe's ``url`` is only a check: the
+        same store, if it names one) with the block's credentials."""
+        check_artifact_url(self.url, "ArtifactStore.url")
+        return ArtifactStoreClient(self.url, self.storage_options.get_secret_value())
 
 
 class Toolchain(Block):

@@ -18,6 +18,7 @@ tensors) over the shared store.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -32,18 +33,19 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 from pydantic import BaseModel
 
-from flows.stages import STAGE_FLOWS, STAGE_TASKS
-from ktflow.errors import InvalidInputError, NoWorkerError, PromotionGateError, StageFailedError
+from flows.stages import STAGE_FLOWS, STAGE_TASKS, host_recipe_store, host_store
+from ktflow.artifact_store import ArtifactRef
+from ktflow.errors import CheckpointError, InvalidInputError, NoWorkerError, PromotionGateError, StageFailedError
 from ktflow.formats.dataset import validate_dataset
 from ktflow.host.hardware import HostInfo, probe_host
-from ktflow.host.pools import WorkPoolSpec, pool_for_stage
+from ktflow.host.pools import WorkPoolSpec, pool_for_stage, pool_named, serving_pool
 from ktflow.planning.stage_plan import StageName, StagePlan, StageSkipped, plan_stages, prepared_for_another_host
 from ktflow.recipe import Recipe, int8_threadpool_count, load_recipe
 from ktflow.stages.evaluate import refuse_contaminated_gate
 from ktflow.stages.promotion import registry_of
 from ktflow.stages.sft import check_hf_fits_gpus
 from ktflow.stages.weights import bf16_dir_for, int8_dir_for, serving_weights, trains_on_source
-from ktflow.store import read_manifest
+from ktflow.store import HostStore, read_manifest
 from tasks._common import retry_unless_invalid_input
 from tasks.promote import emit_rejected, register_adapter_task
 from tasks.report import publish_run_report
@@ -66,27 +68,54 @@ def run_pipeline(recipe: Recipe, call: StageCall, hf_token_block: str | None = N
     validate_dataset(recipe.dataset)
     refuse_contaminated_gate(recipe)
     table = _StageTable({p.stage: p for p in plan_stages(recipe, host)})
-    store = recipe.store.root
-    source = call("download", source=recipe.source, store_root=str(store), hf_token_block=hf_token_block)
+    source = call("download", source=recipe.source, store_root=str(recipe.store.root), hf_token_block=hf_token_block)
     table.record("download", str(source.path) + (" (cached)" if source.cached else ""))
     if host is not None:  # the host that trains is known: a model its GPUs cannot hold is refused before dequantize
         check_hf_fits_gpus(recipe, host, source.path)
-    bf16_dir = _dequantize(recipe, call, source.path, table)
+    bf16_dir = _dequantize(recipe, call, source, table)
     model_dir = source.path if trains_on_source(recipe) or bf16_dir is None else bf16_dir
 
     trained = call("sft", recipe=recipe, model_dir=str(model_dir))
     resumed = f", resumed from {trained.resumed_from}" if trained.resumed_from else ""
     table.record("sft", f"{trained.adapter_dir}" + (" (cached)" if trained.cached else f" ({trained.steps} steps{resumed})"))
     digest = trained.manifest_digest or read_manifest(trained.adapter_dir).digest()  # type: ignore[union-attr]
+    handoff = None
+    if recipe.store.artifacts:  # each host keeps its own store: the serving host makes its own base weights
+        source, bf16_dir = _serving_host_weights(recipe, call, source, table, hf_token_block)
+        model_dir = source.path if trains_on_source(recipe) or bf16_dir is None else bf16_dir
+        handoff = ArtifactRef(url=recipe.store.artifacts, key=HostStore(recipe.store.root).key(trained.adapter_dir),
+                              digest=digest)
     adapter = call("convert-lora", adapter_dir=str(trained.adapter_dir),
                    out_dir=str(recipe.store.layout.adapter(digest[:16])), base_dir=str(model_dir),
-                   serve_python=str(recipe.toolchains.serve.python))
-    table.record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank})")
+                   serve_python=str(recipe.toolchains.serve.python), **({"fetch": handoff} if handoff else {}))
+    fetched = f"; fetched from {handoff.where()}, verified" if handoff else ""
+    table.record("convert-lora", f"{adapter.path} ({adapter.kind}, rank {adapter.rank}){fetched}")
     _quantize_int8(recipe, call, bf16_dir or source.path, table)
 
     serve_model, kt_weights = serving_weights(recipe, source_dir=source.path, bf16_dir=bf16_dir)
     return _judge_and_promote(recipe, call, table, trained, adapter.path, model_dir=model_dir, serve_model=serve_model,
                               kt_weights=kt_weights)
+
+
+def _serving_host_weights(recipe: Recipe, call: StageCall, trained_on: Any, table: _StageTable,
+                          hf_token_block: str | None) -> tuple[Any, Path | None]:
+    """The base weights the serving stages read, made by the serving host in its own store (the
+    same pinned download and bit-exact dequantize as the training host's): ``(source, bf16_dir)``.
+
+    Raises:
+        CheckpointError: the serving host's checkpoint is not the one the adapter was trained on.
+    """
+    source = call("download", on="serve", source=recipe.source, store_root=str(recipe.store.root),
+                  hf_token_block=hf_token_block)
+    if trained_on.checkpoint_fingerprint and source.checkpoint_fingerprint != trained_on.checkpoint_fingerprint:
+        raise CheckpointError(
+            f"source {recipe.source.model_dump(exclude_none=True)} on the serving host",
+            f"is checkpoint {str(source.checkpoint_fingerprint)[:12]} (content fingerprint), "
+            f"the training host's is {trained_on.checkpoint_fingerprint[:12]}",
+            "give both hosts the same source (a pinned hub revision, or the same files at source.local_path)")
+    table.append("download", f"serving host: {source.path}" + (" (cached)" if source.cached else ""))
+    bf16_dir = _dequantize(recipe, call, source, table, on="serve")
+    return source, bf16_dir
 
 
 def _judge_and_promote(recipe: Recipe, call: StageCall, table: _StageTable, trained: Any, adapter: Path, *,
@@ -97,11 +126,16 @@ def _judge_and_promote(recipe: Recipe, call: StageCall, table: _StageTable, trai
     on a failed gate); the base model of the comparison is the one the adapter was trained on.
     A rejected candidate's report is published, then the run fails naming what stays in production.
     """
-    version = register_adapter_task(recipe, str(adapter), str(trained.adapter_dir), str(model_dir))
+    # The registry lives in the serving host's store, where this parent runs when hosts keep their
+    # own stores (its worker's --store-root): the paths it reads are mapped onto this host.
+    store = host_store(recipe.store.root)
+    here = host_recipe_store(recipe)
+    version = register_adapter_task(here, str(store.to_host(adapter)), str(store.to_host(trained.adapter_dir)),
+                                    str(store.to_host(model_dir)))
     outcome: dict[str, Any] = {"adapter": str(adapter), "version": version.version}
     weights = dict(kt_weight_dir=str(kt_weights) if kt_weights else None)
     judgement = None
-    before = registry_of(recipe).production().version
+    before = registry_of(here).production().version
     if table.plans["evaluate"].needed:
         judgement = call("evaluate", recipe=recipe, model_dir=str(model_dir), version=version.version,
                          serve_model_dir=str(serve_model), **weights)
@@ -146,20 +180,31 @@ class _StageTable:
         self._rows[stage] = {"stage": stage, "runs": "yes" if runs else "skipped",
                              "why": skipped.reason if skipped else self.plans[stage].reason, "result": result}
 
+    def append(self, stage: str, result: str) -> None:
+        """More of what ``stage`` made (the serving host's own copy, where hosts keep their own stores)."""
+        self._rows[stage]["result"] += f"; {result}"
+
     @property
     def rows(self) -> list[dict[str, Any]]:
         """The recorded rows in the stages' order (a candidate is judged before it is served)."""
         return [self._rows[stage] for stage in self.plans if stage in self._rows]
 
 
-def _dequantize(recipe: Recipe, call: StageCall, source: Path, table: _StageTable) -> Path | None:
-    """The BF16 copy of the source, when a stage reads BF16 (None: not made)."""
+def _dequantize(recipe: Recipe, call: StageCall, source: Any, table: _StageTable, on: str | None = None) -> Path | None:
+    """The BF16 copy of the downloaded ``source``, when a stage reads BF16 (None: not made);
+    ``on="serve"``: made by the serving host, in its own store."""
     if not table.plans["dequantize"].needed:
-        table.record("dequantize", "-")
+        if on is None:
+            table.record("dequantize", "-")
         return None
-    bf16 = call("dequantize", src=str(source), dst=str(bf16_dir_for(recipe, source)),
+    bf16 = call("dequantize", **({"on": on} if on else {}), src=str(source.path),
+                dst=str(bf16_dir_for(recipe, source.path, source.checkpoint_digest)),
                 workers=recipe.conversion.workers, fsync=recipe.conversion.fsync)
-    table.record("dequantize", f"{bf16.path}" + (" (cached)" if bf16.cached else f" ({bf16.tensors_decoded} tensors)"))
+    made = f"{bf16.path}" + (" (cached)" if bf16.cached else f" ({bf16.tensors_decoded} tensors)")
+    if on is None:
+        table.record("dequantize", made)
+    else:
+        table.append("dequantize", f"serving host: {made}")
     return bf16.path
 
 
@@ -188,8 +233,11 @@ def evaluation_verdict(judgement: Any) -> str:
             f"{overlap.count}/{overlap.eval_prompts}; {judgement.summary()}{reused}")
 
 
-def _call_task(stage: StageName, **parameters: Any) -> Any:
-    return STAGE_TASKS[stage](**parameters)
+def _call_task(stage: StageName, on: str | None = None, **parameters: Any) -> Any:
+    # One host, one store: what the serving host makes for itself (``on``) is this host's cache hit,
+    # and the adapter to fetch (``fetch``) is already here.
+    accepted = inspect.signature(STAGE_TASKS[stage].fn).parameters
+    return STAGE_TASKS[stage](**{name: value for name, value in parameters.items() if name in accepted})
 
 
 @flow(name="ktflow-pipeline")
@@ -206,9 +254,10 @@ DEFAULT_PICKUP_TIMEOUT_S = 600.0
 offline 3 missed heartbeats, 90 s by default, after it dies)."""
 
 
-def stage_deployment(stage: StageName) -> str:
-    """``flow-name/deployment-name`` of a stage: the deployment is named after its pool."""
-    return f"{STAGE_FLOWS[stage].name}/{pool_for_stage(stage).name}"
+def stage_deployment(stage: StageName, pool: str | None = None) -> str:
+    """``flow-name/deployment-name`` of a stage on ``pool`` (default: its own): a deployment is named
+    after its pool."""
+    return f"{STAGE_FLOWS[stage].name}/{pool or pool_for_stage(stage).name}"
 
 
 def _jsonable(value: Any) -> Any:
@@ -232,8 +281,8 @@ def _jsonable(value: Any) -> Any:
     retry_condition_fn=retry_unless_invalid_input,
 )
 def dispatch_stage(stage: StageName, parameters: dict[str, Any],
-                   pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S) -> Any:
-    """Run ``stage`` as a child run of its deployment and return the child's result.
+                   pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S, pool: str | None = None) -> Any:
+    """Run ``stage`` as a child run of its deployment (on ``pool``, default its own) and return the child's result.
 
     Raises:
         NoWorkerError: no live worker served the stage's pool for ``pickup_timeout_s`` while
@@ -243,11 +292,11 @@ def dispatch_stage(stage: StageName, parameters: dict[str, Any],
 
     attempt = TaskRunContext.get().task_run.run_count  # type: ignore[union-attr]
     # The same key returns the existing run even when it failed: a retry needs a new one.
-    key = f"{current_run.id}:{stage}:{current_run.run_count}:{attempt}"
-    child = run_deployment(stage_deployment(stage), parameters=parameters, idempotency_key=key, as_subflow=True,
+    key = f"{current_run.id}:{stage}:{pool or ''}:{current_run.run_count}:{attempt}"
+    child = run_deployment(stage_deployment(stage, pool), parameters=parameters, idempotency_key=key, as_subflow=True,
                            timeout=0)  # created, not awaited: we wait below, so we can cancel it
     try:
-        child = _wait_until_final(child.id, stage, pickup_timeout_s)
+        child = _wait_until_final(child.id, stage, pickup_timeout_s, pool)
     except BaseException as exc:
         # The parent is being cancelled (the worker's SIGTERM arrives as an exception), timed
         # out or crashed, or no worker came: the child must not start (or train on) unobserved.
@@ -265,12 +314,13 @@ def dispatch_stage(stage: StageName, parameters: dict[str, Any],
     return state.result()
 
 
-def _wait_until_final(run_id: Any, stage: StageName, pickup_timeout_s: float, poll_s: float = 1.0) -> Any:
+def _wait_until_final(run_id: Any, stage: StageName, pickup_timeout_s: float, pool_name: str | None = None,
+                      poll_s: float = 1.0) -> Any:
     """The child run once it ends. While it waits to be picked up, a pool that no live worker
     has served for ``pickup_timeout_s`` ends the wait: a run never stays Scheduled forever."""
     from prefect.client.orchestration import get_client
 
-    pool = pool_for_stage(stage)
+    pool = pool_named(pool_name) if pool_name else pool_for_stage(stage)
     last_served = time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
@@ -332,9 +382,16 @@ def _child_exception(state: Any) -> BaseException | None:
     return value if isinstance(value, BaseException) else None
 
 
-def _dispatcher(pickup_timeout_s: float) -> StageCall:
-    def dispatch(stage: StageName, **parameters: Any) -> Any:
-        return dispatch_stage(stage, {name: _jsonable(value) for name, value in parameters.items()}, pickup_timeout_s)
+def _dispatcher(recipe: Recipe, pickup_timeout_s: float) -> StageCall:
+    """Dispatch a stage to its pool (``on="serve"``: to the serving host's, for what it makes in its
+    own store), telling a stage flow that takes paths which store root they are under."""
+
+    def dispatch(stage: StageName, on: str | None = None, **parameters: Any) -> Any:
+        if "store_root" in inspect.signature(STAGE_FLOWS[stage].fn).parameters:
+            parameters.setdefault("store_root", str(recipe.store.root))
+        pool = serving_pool().name if on == "serve" else None
+        return dispatch_stage(stage, {name: _jsonable(value) for name, value in parameters.items()}, pickup_timeout_s,
+                              pool)
 
     return dispatch
 
@@ -361,7 +418,7 @@ def pipeline_distributed(recipe: Recipe, hf_token_block: str | None = None,
     get_run_logger().info("dispatching %s: %s", recipe.name,
                           ", ".join(f"{p.stage} -> {pool_for_stage(p.stage).name}" for p in plan_stages(recipe)
                                     if p.needed))
-    return run_pipeline(recipe, _dispatcher(pickup_timeout_s), hf_token_block)
+    return run_pipeline(recipe, _dispatcher(recipe, pickup_timeout_s), hf_token_block)
 
 
 @flow(name="ktflow-retrain")
@@ -375,4 +432,4 @@ def retrain(recipe_file: str, dataset_file: str | None = None, hf_token_block: s
     overrides = [f"dataset.files={json.dumps([dataset_file])}"] if dataset_file else []
     recipe = _with_store(load_recipe(recipe_file, overrides), store_block)
     get_run_logger().info("retraining %s on %s", recipe.name, ", ".join(map(str, recipe.dataset.files)))
-    return run_pipeline(recipe, _dispatcher(pickup_timeout_s), hf_token_block)
+    return run_pipeline(recipe, _dispatcher(recipe, pickup_timeout_s), hf_token_block)

@@ -9,6 +9,13 @@ on the shared store on every host (deployments/README.md).
 
 The parameters of a stage flow are the parameters of its task, so the parent dispatches
 the same call to a local task or to a deployment (flows/pipeline.py).
+
+Each host keeps its own store when the recipe names an artifact store (``store.artifacts``): a
+worker started with ``ktflow worker --store-root DIR`` has ``KTFLOW_STORE_ROOT`` set, and every
+stage flow maps the store paths it is handed from the recipe's root onto that root, and the
+paths in its result back (``ktflow.store.HostStore``). What crosses hosts, the SFT adapter, the
+sft flow publishes to the artifact store and the convert-lora flow fetches, verified, into its
+own store at the same store-relative path.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
@@ -23,9 +31,11 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as current_run
 
+from ktflow.artifact_store import ArtifactRef, ArtifactStore
 from ktflow.errors import HostRequirementError
+from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint
 from ktflow.host.hardware import probe_host
-from ktflow.host.worker import HOST_NAME_ENV, POOL_ENV, WORKER_ENV
+from ktflow.host.worker import ARTIFACTS_BLOCK_ENV, HOST_NAME_ENV, POOL_ENV, STORE_ROOT_ENV, WORKER_ENV
 from ktflow.planning.stage_plan import StageName, StageSkipped, check_requirement, host_requirements
 from ktflow.recipe import Recipe, SourceConfig
 from ktflow.stages.convert_lora import ConvertLoraResult
@@ -34,7 +44,8 @@ from ktflow.stages.download import DownloadResult
 from ktflow.stages.promotion import Judgement
 from ktflow.stages.quantize_int8 import QuantizeInt8Result
 from ktflow.stages.serve import Endpoint
-from ktflow.stages.sft import SftResult
+from ktflow.stages.sft import SftResult, run_adapter_dir
+from ktflow.store import HostStore
 from tasks.convert_lora import convert_lora_task
 from tasks.dequantize import dequantize_task
 from tasks.download import download_task
@@ -66,9 +77,40 @@ TOOLCHAIN_BLOCK_ENV = {"train": "KTFLOW_TOOLCHAIN_TRAIN", "serve": "KTFLOW_TOOLC
 """Set by ``ktflow worker --toolchain ROLE=BLOCK``: this host's Toolchain block per role."""
 
 
+
+
+def host_store(declared: str | Path | None) -> HostStore:
+    """The store root ``declared`` by the recipe, and where this host keeps its store (None: the
+    caller did not say which root its paths are under; they are used as given)."""
+    here = os.environ.get(STORE_ROOT_ENV)
+    if declared is None:
+        return HostStore(None)
+    return HostStore(Path(declared), Path(here) if here else None)
+
+
+def host_artifact_store(url: str | None) -> ArtifactStore | None:
+    """The artifact store at ``url`` with this host's credentials (its ArtifactStore block, else the
+    environment: SSH keys or agent, ``AWS_*``, ...); None when the hosts share one store."""
+    if os.environ.get(ARTIFACTS_BLOCK_ENV):
+        from blocks import ArtifactStore as ArtifactStoreBlock
+
+        return ArtifactStoreBlock.load(os.environ[ARTIFACTS_BLOCK_ENV]).store(url)
+    return ArtifactStore(url) if url else None
+
+
+def host_recipe_store(recipe: Recipe) -> Recipe:
+    """``recipe`` with this host's store root (the worker's ``--store-root``), if it has its own."""
+    here = os.environ.get(STORE_ROOT_ENV)
+    if not here:
+        return recipe
+    return recipe.model_copy(update={"store": recipe.store.model_copy(update={"root": Path(here)})})
+
+
 def host_recipe(recipe: Recipe) -> Recipe:
-    """``recipe`` with this host's toolchains (the worker's Toolchain blocks), if it names any."""
+    """``recipe`` with this host's store root and toolchains (the worker's Toolchain blocks), if it names any."""
     from blocks import Toolchain
+
+    recipe = host_recipe_store(recipe)
 
     for role, env in TOOLCHAIN_BLOCK_ENV.items():
         if os.environ.get(env):
@@ -108,43 +150,90 @@ def _enter_stage(stage: StageName, recipe: Recipe | None) -> None:
 @flow(name="ktflow-download", persist_result=True)
 def download_stage(source: SourceConfig, store_root: str, hf_token_block: str | None = None) -> DownloadResult:
     _enter_stage("download", None)
-    return download_task(source, store_root, hf_token_block)
+    store = host_store(store_root)
+    result = download_task(source, str(store.here), hf_token_block)
+    # The parent names the BF16 copy after this digest without reading the checkpoint on its own host.
+    result = result.model_copy(update={"checkpoint_digest": checkpoint_digest(result.path),
+                                       "checkpoint_fingerprint": checkpoint_fingerprint(result.path)})
+    return store.to_declared(result)
 
 
 @flow(name="ktflow-dequantize", persist_result=True)
-def dequantize_stage(src: str, dst: str, workers: int | None = None, fsync: bool = True) -> DequantizeResult:
+def dequantize_stage(src: str, dst: str, workers: int | None = None, fsync: bool = True,
+                     store_root: str | None = None) -> DequantizeResult:
     _enter_stage("dequantize", None)
-    return dequantize_task(src, dst, workers, fsync)
+    store = host_store(store_root)
+    return store.to_declared(dequantize_task(str(store.to_host(src)), str(store.to_host(dst)), workers, fsync))
 
 
 @flow(name="ktflow-sft", persist_result=True)
 def sft_stage(recipe: Recipe, model_dir: str) -> SftResult:
+    store = host_store(recipe.store.root)
+    artifacts = host_artifact_store(recipe.store.artifacts)
     recipe = host_recipe(recipe)
     _enter_stage("sft", recipe)
-    return sft_task(recipe, model_dir)
+    model = store.to_host(model_dir)
+    if artifacts is not None:
+        _fetch_published_adapter(recipe, model, store, artifacts)
+    result = sft_task(recipe, str(model))
+    if artifacts is not None:
+        ref = artifacts.publish(Path(result.adapter_dir), store.key(result.adapter_dir))
+        get_run_logger().info("adapter published to the artifact store: %s (%d files, %d bytes)", ref.where(),
+                              ref.files, ref.bytes)
+    return store.to_declared(result)
+
+
+def _fetch_published_adapter(recipe: Recipe, model_dir: Path, store: HostStore, artifacts: ArtifactStore) -> None:
+    """A rerun on a host whose store lost the run finds the adapter published under its key and
+    fetches it (the SFT engine then finds its published adapter: no training)."""
+    adapter = run_adapter_dir(recipe, model_dir)
+    if adapter.is_dir():
+        return
+    transfer = artifacts.transfer_manifest(store.key(adapter))
+    if transfer is not None:
+        artifacts.fetch(ArtifactRef(url=artifacts.url, key=transfer.key, digest=transfer.digest), adapter)
+        get_run_logger().info("adapter %s fetched from the artifact store (published by an earlier run)", transfer.key)
 
 
 @flow(name="ktflow-convert-lora", persist_result=True)
-def convert_lora_stage(adapter_dir: str, out_dir: str, base_dir: str, serve_python: str) -> ConvertLoraResult:
+def convert_lora_stage(adapter_dir: str, out_dir: str, base_dir: str, serve_python: str,
+                       store_root: str | None = None, fetch: ArtifactRef | None = None) -> ConvertLoraResult:
+    """``fetch``: the trained adapter as the training host published it (hosts without a shared
+    store); it is fetched, verified, to ``adapter_dir`` in this host's store first."""
     _enter_stage("convert-lora", None)
-    return convert_lora_task(adapter_dir, out_dir, base_dir, host_serve_python(serve_python))
+    store = host_store(store_root)
+    adapter = store.to_host(adapter_dir)
+    if fetch is not None:
+        artifacts = host_artifact_store(fetch.url)
+        assert artifacts is not None
+        artifacts.fetch(fetch, adapter)
+        get_run_logger().info("adapter %s fetched and verified (%d files, %d bytes)", fetch.where(), fetch.files,
+                              fetch.bytes)
+    return store.to_declared(convert_lora_task(str(adapter), str(store.to_host(out_dir)), str(store.to_host(base_dir)),
+                                               host_serve_python(serve_python)))
 
 
 @flow(name="ktflow-quantize-int8", persist_result=True)
 def quantize_int8_stage(bf16_dir: str, out_dir: str, threadpool_count: int, serve_python: str,
-                        workers: int | None = None, skip_without_kernels: bool = False
-                        ) -> QuantizeInt8Result | StageSkipped:
+                        workers: int | None = None, skip_without_kernels: bool = False,
+                        store_root: str | None = None) -> QuantizeInt8Result | StageSkipped:
     _enter_stage("quantize-int8", None)
-    return quantize_int8_task(bf16_dir, out_dir, threadpool_count, host_serve_python(serve_python), workers,
-                              skip_without_kernels)
+    store = host_store(store_root)
+    return store.to_declared(quantize_int8_task(str(store.to_host(bf16_dir)), str(store.to_host(out_dir)),
+                                                threadpool_count, host_serve_python(serve_python), workers,
+                                                skip_without_kernels))
 
 
 @flow(name="ktflow-serve", persist_result=True)
 def serve_stage(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: str | None = None,
                 version: int | None = None, base_dir: str | None = None, why: str = "promoted") -> Endpoint:
+    store = host_store(recipe.store.root)
     recipe = host_recipe(recipe)
     _enter_stage("serve", recipe)
-    endpoint = serve_task(recipe, model_dir, adapter_dir, kt_weight_dir, version, base_dir, why)
+    here = store.to_host
+    endpoint = serve_task(recipe, str(here(model_dir)), str(here(adapter_dir)),
+                          str(here(kt_weight_dir)) if kt_weight_dir else None, version,
+                          str(here(base_dir)) if base_dir else None, why)
     from blocks import ServingEndpoint
 
     # A block for clients and dashboards; the key stays on the serving host, in its env var.
@@ -152,15 +241,18 @@ def serve_stage(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir:
                     tuned_model=endpoint.adapter_model_name or endpoint.served_model_name,
                     api_key_env=endpoint.api_key_env or "", adapter_dir=str(endpoint.adapter_dir or "")
                     ).save(endpoint_block_name(recipe), overwrite=True)
-    return endpoint
+    return store.to_declared(endpoint)
 
 
 @flow(name="ktflow-evaluate", persist_result=True)
 def evaluate_stage(recipe: Recipe, model_dir: str, version: int, serve_model_dir: str,
                    kt_weight_dir: str | None = None) -> Judgement:
+    store = host_store(recipe.store.root)
     recipe = host_recipe(recipe)
     _enter_stage("evaluate", recipe)
-    return evaluate_task(recipe, model_dir, version, serve_model_dir, kt_weight_dir)
+    here = store.to_host
+    return store.to_declared(evaluate_task(recipe, str(here(model_dir)), version, str(here(serve_model_dir)),
+                                           str(here(kt_weight_dir)) if kt_weight_dir else None))
 
 
 def endpoint_block_name(recipe: Recipe) -> str:

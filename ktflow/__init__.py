@@ -11,7 +11,9 @@ The core, which every package below may import:
 - ``resources.py``: stage names, what a stage needs of a host, the shortfall wording, the preflight.
 - ``runner.py``: the stage runner (``StageSpec``, ``run_stage``): refuse, cache, lock, preflight,
   staging, work, verify, publish, progress.
-- ``store.py``: where artifacts live (``StoreLayout``) and their atomic publication with manifests.
+- ``store.py``: where artifacts live (``StoreLayout``, ``HostStore``: one host's store root against the
+  recipe's) and their atomic publication with manifests.
+- ``artifact_store.py``: what crosses hosts (the SFT adapter), published to a URL and fetched verified.
 - ``registry.py``: adapter versions, their lineage and the production pointer.
 
 The packages, each with a docstring that maps its modules: ``formats/`` (file formats), ``host/``

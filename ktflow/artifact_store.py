@@ -124,7 +124,8 @@ class ArtifactStore:
                                      "in the orchestrator env)") from exc
         self._root = self._root.rstrip("/")
 
-    def _path(self, key: str, name: str = "") -> str:
+    def object_path(self, key: str, name: str = "") -> str:
+        """The filesystem path (no scheme) of ``name`` in the artifact ``key``, or of the key itself."""
         return "/".join(p for p in (self._root, key.strip("/"), name) if p)
 
     def _fail(self, what: str, exc: BaseException) -> ArtifactStoreError:
@@ -134,7 +135,7 @@ class ArtifactStore:
 
     def transfer_manifest(self, key: str) -> TransferManifest | None:
         """The complete artifact published under ``key`` (None: none is)."""
-        path = self._path(key, TRANSFER_NAME)
+        path = self.object_path(key, TRANSFER_NAME)
         try:
             with self.fs.open(path, "rb") as fh:
                 text = fh.read()
@@ -165,14 +166,14 @@ class ArtifactStore:
         transfer = TransferManifest(key=key, digest=digest, files=files)
         total, done = transfer.bytes, 0
         try:
-            self.fs.makedirs(self._path(key), exist_ok=True)
+            self.fs.makedirs(self.object_path(key), exist_ok=True)
             self._remove_leftovers(key)
             for entry in files:
-                self._upload(local_dir / entry.path, self._path(key, entry.path))
+                self._upload(local_dir / entry.path, self.object_path(key, entry.path))
                 done += entry.size
                 if progress:
                     progress(done, total)
-            self._put_bytes(transfer.model_dump_json(indent=1).encode(), self._path(key, TRANSFER_NAME))
+            self._put_bytes(transfer.model_dump_json(indent=1).encode(), self.object_path(key, TRANSFER_NAME))
         except ArtifactStoreError:
             raise
         except Exception as exc:
@@ -181,7 +182,7 @@ class ArtifactStore:
 
     def _remove_leftovers(self, key: str) -> None:
         """Temporary objects of an upload that was killed (they are never read: no manifest names them)."""
-        for path in self.fs.find(self._path(key)):
+        for path in self.fs.find(self.object_path(key)):
             if PART_SUFFIX + "-" in path.rsplit("/", 1)[-1]:
                 self.fs.rm(path)
 
@@ -254,7 +255,7 @@ class ArtifactStore:
         for _ in range(max(attempts, 1)):
             digest, size = hashlib.sha256(), 0
             try:
-                with self.fs.open(self._path(ref.key, entry.path), "rb") as fin, open(dst, "wb") as fout:
+                with self.fs.open(self.object_path(ref.key, entry.path), "rb") as fin, open(dst, "wb") as fout:
                     while chunk := fin.read(CHUNK):
                         digest.update(chunk)
                         size += len(chunk)

@@ -149,6 +149,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out.print(table)
     for note in notes:
         out.print(note)
+    if recipe.store.artifacts:
+        out.print("each host keeps its own store (store.artifacts: the adapter crosses through "
+                  f"{recipe.store.artifacts}); disk by host: " + ", ".join(
+                      f"{pool} {human_bytes(disk)}" for pool, disk in plan.disk_by_pool.items()) +
+                  " (download and dequantize run on both)")
     total = plan.seconds
     out.print(f"predicted time: {_duration(total) if total is not None else 'unknown (a stage has no prediction)'}; "
               f"{'every stage fits' if plan.fits else 'does not fit this host (see why)'}")
@@ -297,6 +302,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
         out.print(f"sft: {result.steps} steps{loss} in {result.seconds:.1f} s{resumed} -> {result.adapter_dir}")
         if result.backend_reason:
             out.print(f"sft.backend auto chose {result.backend_reason}", markup=False)
+        if result.batch_shape:
+            out.print(f"sft {result.batch_shape}", markup=False)
         if result.loss_curve:
             out.print(f"loss curve: {result.loss_curve}")
     return 0
@@ -317,6 +324,13 @@ def _sft_dry_run(recipe, host, *, as_json: bool) -> int:
         check_kt_model(recipe, model_config, config_path)
     except InvalidInputError as exc:
         err.print(f"[yellow]warning[/]: ktflow sft would refuse this: {exc}", markup=True)
+    if model_config is not None:  # KT's micro-batch split, as the real run shapes it on this host
+        from ktflow.stages.sft import dataset_lengths, resolve_batch_shape
+
+        shape = resolve_batch_shape(recipe, model_dir, host, dataset_lengths(recipe, model_dir))
+        if shape is not None:
+            recipe = shape.recipe
+            err.print(f"sft {shape.reason}", markup=False, highlight=False)
     if all(Path(f).is_file() for f in recipe.dataset.files) and (recipe.sft.template != "empty" or model_config):
         data = dataset_digest(recipe.dataset, template=recipe.sft.template,
                               model_dir=model_dir if recipe.sft.template == "empty" else None)
@@ -778,7 +792,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                     "e.g. --toolchain train=gpu1-train (a ktflow Toolchain block)")
         toolchains[role] = block
     launches = worker_launches(pools, host_name=args.name or host.hostname, checkout=Path(args.checkout).absolute(),
-                               toolchain_blocks=toolchains)
+                               toolchain_blocks=toolchains, store_root=Path(args.store_root) if args.store_root else None,
+                               artifacts_block=args.artifacts)
     if args.dry_run:
         _print_json([launch.model_dump(mode="json") for launch in launches])
         return 0
@@ -957,6 +972,10 @@ def _add_host_commands(add: _Add) -> None:
     p.add_argument("--checkout", default=".", metavar="DIR", help="this host's ktflow checkout (default: .)")
     p.add_argument("--toolchain", action="append", metavar="ROLE=BLOCK",
                    help="this host's Toolchain block for train or serve (repeatable)")
+    p.add_argument("--store-root", metavar="DIR",
+                   help="this host's own store (hosts without a shared one: the recipe sets store.artifacts)")
+    p.add_argument("--artifacts", metavar="BLOCK",
+                   help="this host's ktflow ArtifactStore block: the artifact store's URL and credentials")
     p.add_argument("--list", action="store_true", help="list the pools and whether this host qualifies")
     p.add_argument("--create-pools", action="store_true",
                    help="create ktflow's work pools on the server (before `prefect deploy`), then exit")

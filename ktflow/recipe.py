@@ -245,6 +245,14 @@ class SftConfig(_Strict):
     # KTransformers 0.7 (backend: kt)
     kt_cpu_activation: Literal["recompute", "retain"] | None = None
     kt_config: KtConfig | None = None
+    kt_shape_batches: bool | None = Field(
+        None, description="KT streams every routed expert once per micro-batch, so the split of the effective "
+        "batch (per_device_train_batch_size x gradient_accumulation_steps) decides its speed. true: ktflow keeps "
+        "the effective batch and trains the split predicted fastest that fits GPU memory and RAM (backend kt or "
+        "auto; values written here are read as the effective batch; other backends ignore it); false: never; "
+        "unset: with backend auto "
+        "unless the recipe writes per_device_train_batch_size or gradient_accumulation_steps itself (explicit "
+        "values win). `ktflow plan` shows the split chosen, or the one it would choose")
     # KTransformers 0.4-0.6 (backend: kt-legacy)
     kt_optimize_rule: str | None = Field(None, description="Injection rule YAML (legacy KT)")
     cpu_infer: int | None = Field(None, gt=0)
@@ -268,6 +276,11 @@ class SftConfig(_Strict):
     def _backend_rules(self) -> SftConfig:
         legacy = [k for k in ("kt_optimize_rule", "cpu_infer", "chunk_size") if getattr(self, k) is not None]
         v07 = [k for k in ("kt_config", "kt_cpu_activation") if getattr(self, k) is not None]
+        if self.kt_shape_batches is None:
+            # Resolved here, from what the recipe wrote, so a recipe passed on as a dump (a flow
+            # parameter, a deployment) keeps the decision its author's file made.
+            written = {"per_device_train_batch_size", "gradient_accumulation_steps"} & self.model_fields_set
+            self.kt_shape_batches = self.backend == "auto" and not written
         if self.backend == "kt":
             if legacy:
                 raise ValueError(
@@ -583,6 +596,17 @@ class StoreConfig(_Strict):
     """Where stage artifacts live (shared storage when stages run on several hosts)."""
 
     root: Path = Path(".ktflow/store")
+    artifacts: str | None = Field(
+        None, description="URL of the artifact store for what crosses hosts (sftp://, s3://, gs://, az://, file://): "
+                          "each host then keeps its own store root; None: the hosts share the store (one host, or NFS). "
+                          "Credentials never go here: the host's environment or an ArtifactStore block holds them")
+
+    @field_validator("artifacts")
+    @classmethod
+    def _artifact_url(cls, value: str | None) -> str | None:
+        from ktflow.artifact_store import check_artifact_url
+
+        return None if value is None else check_artifact_url(value)
 
     @property
     def layout(self) -> StoreLayout:

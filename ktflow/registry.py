@@ -65,6 +65,9 @@ class Lineage(BaseModel):
 
     base_digest: str = Field(description="The base checkpoint the adapter was trained on (manifest digest)")
     base_dir: Path = Field(description="That checkpoint on the host that trained it")
+    base_fingerprint: str | None = Field(
+        None, description="The base's content fingerprint (formats.checkpoint.checkpoint_fingerprint): equal on "
+                          "every host that holds the same base, where base_digest is one host's cache key")
     dataset_digest: str
     recipe_digest: str
     sft_run: Path = Field(description="The SFT stage's adapter directory")

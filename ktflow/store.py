@@ -113,6 +113,67 @@ class StoreLayout:
         return self.root / "serving" / recipe
 
 
+class HostStore:
+    """A store root as the recipe declares it, and where that store is on this host.
+
+    Each host keeps its own store (issue #29): a worker started with ``--store-root`` (or a relative
+    ``store.root``, read from each host's checkout) has it elsewhere than the path the recipe names.
+    Stage flows map the paths the pipeline hands them onto this host (:meth:`to_host`) and the paths
+    in their results back (:meth:`to_declared`), so no host's absolute path reaches another host's work.
+    """
+
+    def __init__(self, declared: Path | None, here: Path | None = None) -> None:
+        """``declared`` None: no root is known, and paths are used as given."""
+        self.declared = Path(declared) if declared is not None else None
+        self.here = Path(here) if here is not None else self.declared
+
+    def to_host(self, path: str | Path) -> Path:
+        """``path`` (under the declared root, or anything else unchanged) on this host."""
+        rel = self._relative(Path(path), self.declared)
+        return Path(path) if rel is None or self.here is None else self.here / rel
+
+    def to_declared(self, value: Any) -> Any:
+        """``value`` (a path, string, pydantic model or container of them) with paths under this host's
+        root written under the declared root instead; everything else is returned as it is."""
+        if self.declared is None:
+            return value
+        if isinstance(value, BaseModel):
+            return value.model_copy(update={name: self.to_declared(getattr(value, name))
+                                            for name in type(value).model_fields})
+        if isinstance(value, Path):
+            rel = self._local_relative(value)
+            return value if rel is None else self.declared / rel
+        if isinstance(value, str) and "/" in value and "://" not in value:
+            rel = self._local_relative(Path(value))
+            return value if rel is None else str(self.declared / rel)
+        if isinstance(value, list | tuple):
+            return type(value)(self.to_declared(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.to_declared(v) for k, v in value.items()}
+        return value
+
+    def key(self, path: str | Path) -> str:
+        """``path``'s place in the store (``runs/<run>/adapter``): the same on every host."""
+        rel = self._relative(Path(path), self.declared) or self._relative(Path(path), self.here)
+        if rel is None:
+            raise ValueError(f"{path} is not in the store {self.declared}")
+        return rel.as_posix()
+
+    def _local_relative(self, path: Path) -> Path | None:
+        return self._relative(path, self.here)
+
+    @staticmethod
+    def _relative(path: Path, root: Path | None) -> Path | None:
+        if root is None:
+            return None
+        for candidate in (root, root.absolute()):
+            try:
+                return path.relative_to(candidate)
+            except ValueError:
+                continue
+        return None
+
+
 class FileEntry(BaseModel):
     """One file of an artifact, relative to its directory."""
 

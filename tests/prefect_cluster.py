@@ -88,9 +88,12 @@ class Cluster:
         return done
 
     def start_worker(self, host: str, pools: list[str], extra_env: dict[str, str] | None = None,
-                     toolchains: list[str] = ()) -> subprocess.Popen[bytes]:  # type: ignore[assignment]
+                     toolchains: list[str] = (), *, checkout: Path = REPO, extra_args: list[str] = (),  # type: ignore[assignment]
+                     wrap: list[str] = ()) -> subprocess.Popen[bytes]:  # type: ignore[assignment]
+        """``ktflow worker`` as host ``host``; ``wrap``: a command line it runs under (a namespace)."""
         log = open(self.logs / f"worker-{host}.log", "ab")
-        argv = [sys.executable, "-m", "ktflow.cli", "worker", "--name", host, "--checkout", str(REPO)]
+        argv = [*wrap, sys.executable, "-m", "ktflow.cli", "worker", "--name", host, "--checkout", str(checkout),
+                *extra_args]
         for pool in pools:
             argv += ["--pool", pool]
         for item in toolchains:

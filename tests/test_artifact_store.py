@@ -1,4 +1,5 @@
-"""The artifact store (ktflow.artifact_store) against a real SFTP server (OpenSSH's sshd) and file://:
+"""The artifact store (ktflow.artifact_store) against a real SFTP server (OpenSSH's sshd), an S3-compatible
+server (moto's, the S3 REST API on a local port) and file://:
 atomic publication, verified fetches, a killed upload, a flipped bit, a truncated object."""
 
 from __future__ import annotations
@@ -41,29 +42,64 @@ def sftp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SftpServer]:
         yield server
 
 
-@pytest.fixture(params=["file", "sftp"])
-def remote(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[ArtifactStore, Path]:
-    """A store and the folder on disk that backs it (so a test can damage an object)."""
-    backing = tmp_path / "remote"
-    backing.mkdir()
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3-compatible server (its own HTTP server on a local port, the S3 REST API)."""
+    moto_server = pytest.importorskip("moto.server", reason="moto (an S3-compatible server) is not installed")
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["file", "sftp", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+    """An artifact store on each backend: a folder, OpenSSH's SFTP server, an S3-compatible server."""
     if request.param == "file":
-        return ArtifactStore(f"file://{backing}"), backing
-    server: SftpServer = request.getfixturevalue("sftp")
-    return ArtifactStore(server.url(backing), server.options), backing
+        (tmp_path / "remote").mkdir()
+        return ArtifactStore(f"file://{tmp_path}/remote")
+    if request.param == "sftp":
+        server: SftpServer = request.getfixturevalue("sftp")
+        (tmp_path / "remote").mkdir()
+        return ArtifactStore(server.url(tmp_path / "remote"), server.options)
+    import boto3
+
+    endpoint = request.getfixturevalue("s3_endpoint")
+    credentials = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": "us-east-1"}
+    bucket = f"ktflow-{tmp_path.name.lower().replace('_', '-')[-40:]}"
+    boto3.client("s3", endpoint_url=endpoint, **credentials).create_bucket(Bucket=bucket)
+    return ArtifactStore(f"s3://{bucket}/artifacts", {"key": "test", "secret": "test", "client_kwargs": {
+        "endpoint_url": endpoint, "region_name": "us-east-1"}})
+
+
+def _write(store: ArtifactStore, key: str, name: str, data: bytes) -> None:
+    """Damage an object behind the store's back (what a bad disk or a hand edit does)."""
+    with store.fs.open(store.object_path(key, name), "wb") as fh:
+        fh.write(data)
+
+
+def _read(store: ArtifactStore, key: str, name: str) -> bytes:
+    with store.fs.open(store.object_path(key, name), "rb") as fh:
+        return fh.read()
 
 
 def test_a_published_artifact_is_fetched_whole_into_another_store_and_both_are_cached(
-        remote: tuple[ArtifactStore, Path], tmp_path: Path) -> None:
-    store, backing = remote
+        store: ArtifactStore, tmp_path: Path) -> None:
     manifest = make_artifact(tmp_path / "a/runs/r1/adapter", ADAPTER)
     ref = store.publish(tmp_path / "a/runs/r1/adapter", "runs/r1/adapter")
     assert ref.digest == manifest.digest() and ref.files == 4 and ref.bytes > 300_000
-    published = backing / "runs/r1/adapter" / TRANSFER_NAME
-    stamp = published.stat().st_mtime_ns
-    # Published again: the same artifact is there, nothing is uploaded.
-    assert store.publish(tmp_path / "a/runs/r1/adapter", "runs/r1/adapter") == ref
-    assert published.stat().st_mtime_ns == stamp
-    assert not [p for p in backing.rglob("*") if ".part" in p.name]
+    assert not [p for p in store.fs.find(store.object_path("runs")) if ".part" in p]
+    # Published again: the same artifact is there, nothing is written.
+    opened = []
+    real_open = store.fs.open
+    store.fs.open = lambda path, mode="rb", **kw: (opened.append((path, mode)), real_open(path, mode, **kw))[1]  # type: ignore[method-assign]
+    try:
+        assert store.publish(tmp_path / "a/runs/r1/adapter", "runs/r1/adapter") == ref
+    finally:
+        store.fs.open = real_open  # type: ignore[method-assign]
+    assert [mode for _, mode in opened] == ["rb"], opened  # the transfer manifest, read
 
     got = store.fetch(ref, tmp_path / "b/runs/r1/adapter")
     for name, data in ADAPTER.items():
@@ -71,38 +107,34 @@ def test_a_published_artifact_is_fetched_whole_into_another_store_and_both_are_c
     assert read_manifest(got).digest() == ref.digest  # type: ignore[union-attr]
     assert not staging_dir_for(got).exists()
     # Fetched again: it is there with the digest asked for, nothing is read from the store.
-    (backing / "runs/r1/adapter/adapter_model.safetensors").unlink()
+    store.fs.rm(store.object_path("runs/r1/adapter", "adapter_model.safetensors"))
     assert store.fetch(ref, got) == got
 
 
 def test_a_flipped_bit_or_a_truncated_object_is_refused_naming_the_key_and_file(
-        remote: tuple[ArtifactStore, Path], tmp_path: Path) -> None:
-    store, backing = remote
+        store: ArtifactStore, tmp_path: Path) -> None:
     make_artifact(tmp_path / "a/adapter", ADAPTER)
     ref = store.publish(tmp_path / "a/adapter", "runs/r2/adapter")
-    stored = backing / "runs/r2/adapter/adapter_model.safetensors"
-    data = bytearray(stored.read_bytes())
+    data = bytearray(_read(store, "runs/r2/adapter", "adapter_model.safetensors"))
     data[123_456] ^= 0x10
-    stored.write_bytes(bytes(data))
+    _write(store, "runs/r2/adapter", "adapter_model.safetensors", bytes(data))
     with pytest.raises(ArtifactCorruptError) as caught:
         store.fetch(ref, tmp_path / "b/adapter")
     message = str(caught.value)
     assert "runs/r2/adapter/adapter_model.safetensors" in message and "sha256" in message and "republish" in message
     assert not (tmp_path / "b/adapter").exists()  # nothing under the final name
 
-    stored.write_bytes(ADAPTER["adapter_model.safetensors"][:1000])
+    _write(store, "runs/r2/adapter", "adapter_model.safetensors", ADAPTER["adapter_model.safetensors"][:1000])
     with pytest.raises(ArtifactCorruptError, match="truncated"):
         store.fetch(ref, tmp_path / "b/adapter")
     assert not (tmp_path / "b/adapter").exists()
     # Republished (the producing stage's rerun), it fetches.
-    (backing / "runs/r2/adapter" / TRANSFER_NAME).unlink()
+    store.fs.rm(store.object_path("runs/r2/adapter", TRANSFER_NAME))
     store.publish(tmp_path / "a/adapter", "runs/r2/adapter")
     assert store.fetch(ref, tmp_path / "b/adapter") == tmp_path / "b/adapter"
 
 
-def test_nothing_published_or_another_artifact_under_the_key_is_refused(
-        remote: tuple[ArtifactStore, Path], tmp_path: Path) -> None:
-    store, _ = remote
+def test_nothing_published_or_another_artifact_under_the_key_is_refused(store: ArtifactStore, tmp_path: Path) -> None:
     with pytest.raises(ArtifactNotPublishedError, match="no complete artifact"):
         store.fetch(ArtifactRef(url=store.url, key="runs/none/adapter", digest="0" * 64), tmp_path / "x")
     make_artifact(tmp_path / "a/adapter", ADAPTER)
@@ -164,3 +196,39 @@ def test_an_artifact_url_is_checked_and_never_holds_a_password() -> None:
         check_artifact_url("ftp://srv1/artifacts")
     with pytest.raises(RecipeError, match="relative"):
         check_artifact_url("file://artifacts")
+
+
+def test_a_host_maps_the_recipes_store_paths_onto_its_own_root_and_back() -> None:
+    from ktflow.store import HostStore
+
+    store = HostStore(Path("/srv/ktflow/store"), Path("/data/gpu1/store"))
+    assert store.to_host("/srv/ktflow/store/runs/r/adapter") == Path("/data/gpu1/store/runs/r/adapter")
+    assert store.to_host("/inputs/model") == Path("/inputs/model")  # not in the store: as given
+    result = ArtifactRef(url="file:///x", key="runs/r/adapter", digest="d")
+    mapped = store.to_declared({"dir": Path("/data/gpu1/store/bf16/k"), "log": "/data/gpu1/store/runs/r/train.log",
+                                "url": "http://127.0.0.1:8000/v1", "ref": result, "n": 3})
+    assert mapped == {"dir": Path("/srv/ktflow/store/bf16/k"), "log": "/srv/ktflow/store/runs/r/train.log",
+                      "url": "http://127.0.0.1:8000/v1", "ref": result, "n": 3}
+    assert store.key("/srv/ktflow/store/runs/r/adapter") == store.key("/data/gpu1/store/runs/r/adapter") == "runs/r/adapter"
+    with pytest.raises(ValueError, match="not in the store"):
+        store.key("/elsewhere/adapter")
+    # A relative root (each host's checkout) maps the absolute paths its engines return back to it.
+    relative = HostStore(Path(".ktflow/store"))
+    assert relative.to_declared(Path.cwd() / ".ktflow/store/runs/r") == Path(".ktflow/store/runs/r")
+    assert HostStore(None).to_declared(Path("/data/gpu1/store/x")) == Path("/data/gpu1/store/x")
+
+
+def test_a_worker_gets_its_store_root_and_artifact_block_and_the_block_keeps_its_credentials_secret(
+        tmp_path: Path) -> None:
+    from blocks import ArtifactStore as ArtifactStoreBlock
+    from ktflow.host.pools import pool_named
+    from ktflow.host.worker import ARTIFACTS_BLOCK_ENV, STORE_ROOT_ENV, worker_launches
+
+    [launch] = worker_launches([pool_named("avx512-serve")], host_name="srv1", checkout=tmp_path,
+                               store_root=tmp_path / "store", artifacts_block="srv1-artifacts")
+    assert launch.env[STORE_ROOT_ENV] == str(tmp_path / "store") and launch.env[ARTIFACTS_BLOCK_ENV] == "srv1-artifacts"
+    assert "srv1-artifacts" not in " ".join(launch.argv)
+    block = ArtifactStoreBlock(url=f"file://{tmp_path}/remote", storage_options={"auto_mkdir": True})
+    assert "auto_mkdir" not in repr(block) and block.store().url == f"file://{tmp_path}/remote"
+    with pytest.raises(RecipeError, match="password"):
+        ArtifactStoreBlock(url="sftp://u:pw@h/x").store()

@@ -46,13 +46,19 @@ def test_every_stage_has_one_deployment_on_its_pool_named_after_the_pool() -> No
     from flows.pipeline import stage_deployment
     from flows.stages import STAGE_FLOWS, stage_flow_entrypoint
 
-    deployments = deployments_by_entrypoint()
+    stage_deployments = [d for d in PREFECT_YAML["deployments"] if d["entrypoint"].startswith("flows/stages.py:")]
+    pools_of: dict[str, list[str]] = {}
+    for deployment in stage_deployments:
+        assert deployment["name"] == deployment["work_pool"]["name"]
+        pools_of.setdefault(deployment["entrypoint"], []).append(deployment["name"])
     for stage in STAGE_ORDER:
-        deployment = deployments[stage_flow_entrypoint(stage)]
         pool = pool_for_stage(stage).name
-        assert deployment["work_pool"]["name"] == pool
-        assert deployment["name"] == pool
+        # Its own pool, and the pools that make their own base weights (hosts without a shared store).
+        expected = [pool] + [p.name for p in WORK_POOLS if stage in p.prepares]
+        assert pools_of[stage_flow_entrypoint(stage)] == expected, stage
         assert stage_deployment(stage) == f"{STAGE_FLOWS[stage].name}/{pool}"
+        for other in expected[1:]:
+            assert stage_deployment(stage, other) == f"{STAGE_FLOWS[stage].name}/{other}"
     pools_in_yaml = {d["work_pool"]["name"] for d in PREFECT_YAML["deployments"]}
     assert pools_in_yaml == {pool.name for pool in WORK_POOLS}
 
@@ -87,7 +93,11 @@ def test_every_entrypoint_is_a_flow_and_stage_flows_take_their_tasks_parameters(
         # The parent sends a stage the same keyword arguments whether it runs it here or dispatches it.
         flow_params = inspect.signature(STAGE_FLOWS[stage].fn).parameters
         task_params = inspect.signature(STAGE_TASKS[stage].fn).parameters
-        assert list(flow_params) == list(task_params), stage
+        assert list(flow_params)[:len(task_params)] == list(task_params), stage
+        # And, dispatched, where its paths are: the recipe's store root, the artifact to fetch first.
+        extra = list(flow_params)[len(task_params):]
+        assert set(extra) <= {"store_root", "fetch"}, stage
+        assert all(flow_params[name].default is None for name in extra), stage
 
 
 def test_every_shipped_recipe_has_a_one_click_deployment_of_the_parent_named_after_it() -> None:

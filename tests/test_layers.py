@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ENGINE = REPO / "ktflow"
 PACKAGES = ("formats", "host", "planning", "stages", "fixtures", "_drivers")
-CORE = {"ktflow", "errors", "units", "store", "recipe", "resources", "runner", "registry"}
+CORE = {"ktflow", "errors", "units", "store", "artifact_store", "recipe", "resources", "runner", "registry"}
 
 # What each part may import from ktflow (its own part is always allowed).
 MAY_IMPORT: dict[str, set[str]] = {
@@ -23,7 +23,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "formats": {"ktflow", "errors", "units", "store", "recipe"},
     "host": {"ktflow", "errors", "units", "resources"},
     "store": {"ktflow", "errors", "units", "formats"},
-    "recipe": {"errors", "units", "store", "resources"},
+    "artifact_store": {"ktflow", "errors", "units", "store", "formats"},
+    "recipe": {"errors", "units", "store", "artifact_store", "resources"},
     "resources": {"errors", "units", "store", "host"},
     "runner": {"errors", "units", "store", "host", "resources"},
     "registry": {"errors", "units", "store"},

@@ -117,6 +117,23 @@ def test_a_hub_recipe_is_sized_before_download_and_what_does_not_fit_is_named(tm
     assert plan_recipe(recipe, big).fits
 
 
+def test_with_an_artifact_store_the_plan_says_which_host_makes_what_and_the_disk_each_needs(tmp_path: Path) -> None:
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-bf16-int8.yaml", [f"store.root={tmp_path}"])
+    shared = plan_recipe(recipe, _host())
+    assert {s.stage: s.pools for s in shared.stages}["download"] == ["amx-train"]
+    apart = plan_recipe(recipe.model_copy(update={"store": recipe.store.model_copy(
+        update={"artifacts": "sftp://ktflow@srv1/srv/ktflow-artifacts"})}), _host())
+    pools = {s.stage: s.pools for s in apart.stages}
+    assert pools["download"] == pools["dequantize"] == ["amx-train", "avx512-serve"]
+    assert pools["sft"] == ["amx-train"] and pools["serve"] == ["avx512-serve"]
+    disk = {s.stage: s.disk_bytes for s in apart.stages if s.needed}
+    # The serving host holds the checkpoint and its BF16 copy too, and its INT8 experts.
+    assert apart.disk_by_pool["avx512-serve"] == disk["download"] + disk["dequantize"] + sum(
+        disk[s] for s in ("convert-lora", "quantize-int8", "serve", "evaluate") if s in disk)
+    assert apart.disk_by_pool["amx-train"] == disk["download"] + disk["dequantize"] + disk["sft"]
+    assert shared.disk_by_pool["avx512-serve"] < apart.disk_by_pool["avx512-serve"]
+
+
 def test_the_plan_reads_the_checkpoint_when_it_is_here(tmp_path: Path, fixture_dir) -> None:
     recipe = load_recipe(REPO / "recipes/tiny-demo.yaml", [f"store.root={tmp_path}",
                                                            f"source.local_path={fixture_dir('kimi-k2.5')}"])

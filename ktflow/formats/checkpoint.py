@@ -339,3 +339,27 @@ def identity_digest(identity: dict[str, Any]) -> str:
 def checkpoint_digest(path: str | Path) -> str:
     """:func:`identity_digest` of :func:`checkpoint_identity`: a checkpoint's cache-key digest."""
     return identity_digest(checkpoint_identity(path))
+
+
+FINGERPRINT_SPAN = 1 << 20
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A checkpoint's identity that is the same on every host holding the same bytes: each shard's
+    name, size and the sha256 of its first and last MiB, plus ``config.json``. Unlike
+    :func:`checkpoint_digest` (mtimes: a cache key on one host) it tells whether two hosts' copies,
+    each downloaded or dequantized on its own, are one base; it reads 2 MiB a shard.
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    config = path / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for shard in sorted(set(read_weight_map(path)[0].values())):
+        size = (path / shard).stat().st_size
+        digest.update(f"\0{shard}\0{size}\0".encode())
+        with open(path / shard, "rb") as fh:
+            digest.update(fh.read(FINGERPRINT_SPAN))
+            if size > FINGERPRINT_SPAN:
+                fh.seek(max(size - FINGERPRINT_SPAN, FINGERPRINT_SPAN))
+                digest.update(fh.read(FINGERPRINT_SPAN))
+    return digest.hexdigest()

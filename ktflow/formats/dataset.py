@@ -174,6 +174,23 @@ def user_prompts(cfg: DatasetConfig) -> Iterator[tuple[str, str]]:
                 yield at, content
 
 
+def record_messages(cfg: DatasetConfig) -> Iterator[list[dict[str, Any]]]:
+    """Every good record's conversation as OpenAI-style messages, in file order (what a chat
+    template renders; ``ktflow plan`` counts tokens from them). Bad records are skipped:
+    :func:`validate_dataset` is what reports them.
+
+    Raises:
+        DatasetError: a file cannot be read at all, or the config does not fit the format.
+    """
+    _check_config(cfg)
+    for item in _normalized_records(cfg):
+        if isinstance(item, BadRecord):
+            if item.line == 0:
+                raise DatasetError("dataset.files", str(item), "fix the training data's path or file")
+            continue
+        yield item[1].messages
+
+
 def dataset_digest(cfg: DatasetConfig, *, template: str, model_dir: Path | None = None) -> str:
     """The digest :func:`prepare_dataset` would give, without parsing or writing anything.
 

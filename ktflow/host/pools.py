@@ -25,6 +25,9 @@ class WorkPoolSpec(BaseModel):
     min_cpu_variant: CpuVariant | None = Field(None, description="kt-kernel variant a host needs (None: any)")
     cpu_reason: str = ""
     stages: tuple[str, ...] = Field(description="the stage deployments that run on this pool")
+    prepares: tuple[str, ...] = Field(
+        (), description="stages it also runs for its own store when hosts keep their own stores (store.artifacts): "
+                        "the base weights its other stages read, made on the host itself")
     concurrency_limit: int | None = Field(None, description="runs at a time per worker (None: unlimited)")
 
 
@@ -53,6 +56,7 @@ WORK_POOLS: tuple[WorkPoolSpec, ...] = (
         min_cpu_variant=INT8_KERNELS.min_cpu_variant,
         cpu_reason=INT8_KERNELS.cpu_reason,
         stages=("convert-lora", "quantize-int8", "serve", "evaluate"),
+        prepares=("download", "dequantize"),
     ),
 )
 
@@ -64,6 +68,11 @@ def pool_named(name: str) -> WorkPoolSpec:
             return pool
     known = ", ".join(p.name for p in WORK_POOLS)
     raise HostRequirementError(f"work pool '{name}'", "is not one of ktflow's pools", f"use one of: {known}")
+
+
+def serving_pool() -> WorkPoolSpec:
+    """The pool of the serving host: where production's store (and the adapter registry) lives."""
+    return pool_for_stage("serve")
 
 
 def pool_for_stage(stage: StageName) -> WorkPoolSpec:

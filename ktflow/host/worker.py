@@ -90,15 +90,26 @@ def choose_pools(host: HostInfo, requested: Sequence[str] = ()) -> list[WorkPool
     return pools
 
 
+STORE_ROOT_ENV = "KTFLOW_STORE_ROOT"
+ARTIFACTS_BLOCK_ENV = "KTFLOW_ARTIFACTS_BLOCK"
+
+
 def worker_launches(pools: Sequence[WorkPoolSpec], *, host_name: str, checkout: Path,
-                    toolchain_blocks: dict[str, str] | None = None,
-                    python: str = sys.executable) -> list[WorkerLaunch]:
+                    toolchain_blocks: dict[str, str] | None = None, store_root: Path | None = None,
+                    artifacts_block: str | None = None, python: str = sys.executable) -> list[WorkerLaunch]:
     """The ``prefect worker start`` command line and environment for each pool.
 
     ``toolchain_blocks`` maps a role (train, serve) to this host's Toolchain block name; the
     stage flows the worker runs use those environments instead of the recipe's paths.
+    ``store_root``: this host's own store (hosts without a shared one); the stage flows map the
+    recipe's store paths onto it. ``artifacts_block``: this host's ArtifactStore block (the URL
+    and credentials what crosses hosts travels through); else the host's environment holds them.
     """
     extra = {f"KTFLOW_TOOLCHAIN_{role.upper()}": block for role, block in (toolchain_blocks or {}).items()}
+    if store_root is not None:
+        extra[STORE_ROOT_ENV] = str(Path(store_root).absolute())
+    if artifacts_block:
+        extra[ARTIFACTS_BLOCK_ENV] = artifacts_block
     launches = []
     for pool in pools:
         name = f"{host_name}-{pool.name}"

@@ -5,8 +5,10 @@
   Imports: recipe, resources, host.
 - ``sizing.py``: a checkpoint's size from its config and headers (``ModelSize``), plain SFT's GPU
   memory and KT SFT's GPU memory and RSS. Imports: formats, recipe, resources, units.
-- ``costs.py``: the time model (``CostModel``) fitted on docs/benchmarks/calibration.json.
-  Imports: sizing, units.
+- ``costs.py``: the time model (``CostModel``; KT's step fitted on docs/benchmarks/kt-throughput by
+  benchmarks/kt_step_model.py, the rest on docs/benchmarks/calibration.json). Imports: sizing, units.
+- ``batch_shape.py``: tokens per record from the dataset, tokens per micro-batch, and the micro-batch
+  split KT trains fastest that fits (``shape_kt_batches``). Imports: costs, sizing, recipe, resources, formats.
 - ``plan.py``: ``ktflow plan``: every stage's disk, RAM, GPU memory, GPUs and time on a host, read
   from the stages' own declarations (``sft_needs``, ``serve_needs``, ``candidate_needs``).
   Imports: the above, recipe, resources, and the stages' declared needs.

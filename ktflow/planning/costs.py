@@ -1,11 +1,15 @@
 """How long a stage takes: the time model ``ktflow plan`` and ``sft.backend: auto`` share.
 
-Its constants are fitted on the runs kept in docs/benchmarks (``calibration.json`` lists every
-one with the files each figure came from): one host kind, an H100 80GB with a 16-core AMX Xeon
-(one NUMA node). Thread counts scale KT's CPU rate proportionally, an assumption no run checked.
+Its constants are fitted on the runs kept in docs/benchmarks, on one host kind: an H100 80GB with a
+16-core AMX Xeon (one NUMA node). KT SFT's step (:func:`kt_step_estimate`) is fitted by
+``benchmarks/kt_step_model.py`` on docs/benchmarks/kt-throughput (its ``fit.json`` holds the fit, the
+data and every run's residual; tests check the constants here equal what the script fits); plain
+SFT, loading and the other stages on docs/benchmarks/calibration.json.
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import BaseModel
 
@@ -13,31 +17,63 @@ from ktflow.planning.sizing import ModelSize, kt_share_backward_bb
 from ktflow.recipe import SftConfig
 from ktflow.units import GB
 
+# Bytes a routed-expert parameter occupies in KT's CPU RAM, by kt-kernel's expert weight format:
+# packed INT4 with a BF16 scale per group of 32 (Kimi's RAWINT4: 0.5 + 2/32), FP8 with its block
+# scales, INT8 with per-row scales, MXFP4 with a scale byte per 32. The bytes floor is reported with these.
+KT_BYTES_PER_PARAM: dict[str, float] = {"rawint4": 0.5625, "mxfp4": 0.53125, "int8": 1.0, "fp8": 1.0, "bf16": 2.0}
+
 
 class CostModel(BaseModel):
-    """Constants of the time model, each fitted on measured runs (docs/benchmarks/calibration.json).
+    """Constants of the time model, each fitted on measured runs.
 
-    KT SFT's step streams every MoE layer's routed experts through the CPU kernels once per pass
-    (forward, the recompute under gradient checkpointing, and backward at twice a forward's cost),
-    so its time follows expert parameters per micro-batch, not FLOPs, at these batch sizes.
+    KT SFT, per micro-batch and MoE layer, for each forward pass over the experts (two with
+    ``kt_cpu_activation: recompute`` under gradient checkpointing, else one) and for the backward:
+    a fixed call cost, plus a multiple of the time the host needs to read the layer's active experts
+    once (their bytes / memory read bandwidth at the run's threads: the *bytes floor*), plus a
+    multiple of the time its matmul units need for the tokens' expert FLOPs (tokens x top-k x
+    2 x expert parameters / BF16 matmul rate at those threads: the *FLOP floor*). The GPU's part is
+    a fixed cost per micro-batch plus the non-expert matmuls, and each optimizer step adds a fixed
+    cost. Thread counts enter through the reference host's measured bandwidth and matmul rate at
+    1-16 threads (``host.json``), not proportionally; NUMA pools (``kt_tp_enabled``) each get
+    their share of the threads and their own bandwidth.
     """
 
-    # Expert parameters per second per pass and per KT thread: 26.7e9 on 16 threads (the V2-Lite
-    # profile); the 57B RAWINT4 run, not used for the fit, implies 27.6e9.
-    kt_expert_params_per_thread_s: float = 26.7e9 / 16
-    kt_forward_call_s: float = 0.0187  # KT's fixed cost per MoE layer and micro-batch, forward (tiny profile)
-    kt_backward_call_s: float = 0.0356  # and backward
+    # The reference host's limits, measured in the same session as the runs (kt-throughput/host.json):
+    # memory read GB/s and BF16 matmul TFLOP/s (512 x 7168 @ 7168 x 2048) by thread count, medians.
+    # Between the points the rate is interpolated as a power of the threads; beyond 16 threads the
+    # 8 -> 16 exponent is extended (no host with more cores was measured).
+    kt_read_gb_s: dict[int, float] = {1: 11.3, 4: 40.5, 8: 59.9, 16: 101.6}
+    kt_matmul_tflops: dict[int, float] = {4: 1.14, 8: 2.21, 16: 3.64}
+    # Bytes per expert parameter the token-independent part is counted in, by expert format. KT's
+    # kernels cost per parameter here, not per stored byte: every kt-throughput run is RAWINT4 (0.5625 B
+    # stored), and calibration.json's BF16 legs (V2-Lite size) come out at +8/+8/+19 % counted at
+    # RAWINT4's 0.5625 B a parameter, +47/+57/+62 % at BF16's stored 2 B (benchmarks/kt_step_model.py
+    # prints both). Formats not listed count as RAWINT4 (no run measured them).
+    kt_pass_bytes_per_param: dict[str, float] = {"rawint4": 0.5625, "bf16": 0.5625}
+    # The per-token part relative to RAWINT4's, by expert format: RAWINT4 unpacks its weights for every
+    # tile of tokens, BF16's AMX kernels read them packed. BF16's factor is fitted on calibration.json's
+    # V2-Lite BF16 profile (KT's forward and backward timers); formats not listed count as RAWINT4.
+    kt_flop_factor_by_format: dict[str, float] = {"rawint4": 1.0, "bf16": 0.5893}
+    # Fitted by benchmarks/kt_step_model.py (docs/benchmarks/kt-throughput/fit.json). Call costs are
+    # kt-kernel's own wrapper time outside its NUMA compute (merges, buffer clears), per call.
+    kt_forward_call_s: float = 0.008004
+    kt_backward_call_s: float = 0.03729
+    kt_forward_bytes_floors: float = 1.718  # forward's token-independent part, in bytes floors
+    kt_backward_bytes_floors: float = 10.68
+    kt_forward_flop_floors: float = 3.121  # forward's per-token part, in FLOP floors
+    kt_backward_flop_floors: float = 1.359
+    kt_optimizer_step_s: float = 0.393  # per optimizer step: the optimizer, logging, the loss
+    kt_gpu_base_s: float = 0.2635  # per micro-batch on the GPU without FSDP offload
+    kt_matmul_flops_per_s: float = 100.5e12  # the non-expert GPU matmuls under KT
     kt_repack_wait_s_per_param: float = 5.44e-11  # blocking backward repack with shared buffers (V2-Lite profile)
-    # GPU and framework time per micro-batch: with FSDP offload it moves the non-expert weights
-    # (0.331 s + 0.55 s per GB of them); without, GPU matmuls at the HF backend's measured rate.
+    # With FSDP offload the GPU part moves the non-expert weights per micro-batch: 0.331 s + 0.55 s
+    # per GB of them (tiny-v3 and V2-Lite profiles, calibration.json).
     kt_gpu_offload_base_s: float = 0.331
     kt_gpu_offload_s_per_gb: float = 0.55
-    kt_gpu_base_s: float = 0.14
     # Plain LoRA SFT (transformers 5's MoE path is launch-bound): 0.179 s per micro-batch plus
     # 6 x active parameters x tokens (4 x without gradient checkpointing) at 18.5 TFLOP/s.
     hf_micro_batch_s: float = 0.179
     hf_flops_per_s: float = 18.5e12
-    kt_matmul_flops_per_s: float = 12.4e12  # the non-expert GPU work under KT (fit on the tiny GPU-host run)
     # Loading the checkpoint before the first step, and ktflow's own work around a run.
     kt_load_s: float = 36.0
     kt_load_s_per_gb: float = 0.64
@@ -55,25 +91,106 @@ COSTS = CostModel()
 """The constants ktflow plans with."""
 
 
+def host_rate(table: dict[int, float], threads: float) -> float:
+    """A rate measured at a few thread counts (``table``), at ``threads``: a power law between the
+    two nearest points, the nearest segment's exponent outside them."""
+    points = sorted(table)
+    if threads in table:
+        return table[int(threads)]
+    if len(points) == 1:
+        return table[points[0]] * threads / points[0]
+    below = [p for p in points if p < threads]
+    above = [p for p in points if p > threads]
+    lo, hi = (below[-1], above[0]) if below and above else (points[-2], points[-1]) if below else (points[0], points[1])
+    exponent = math.log(table[hi] / table[lo]) / math.log(hi / lo)
+    return table[lo] * (threads / lo) ** exponent
+
+
+def kt_pools(sft: SftConfig) -> int:
+    """NUMA pools KT splits its threads and experts over (``kt_tp_enabled`` + ``kt_threadpool_count``)."""
+    return sft.kt_config.effective_threadpool_count if sft.kt_config is not None else 1
+
+
+def kt_expert_format(sft: SftConfig) -> str:
+    return sft.kt_config.effective_weight_format if sft.kt_config is not None else "bf16"
+
+
+class KtStepEstimate(BaseModel):
+    """One optimizer step of KT LoRA SFT, predicted, by part (seconds per optimizer step)."""
+
+    step_s: float
+    kt_forward_s: float  # KT's MoE forward passes (the recompute included)
+    kt_backward_s: float
+    gpu_s: float  # the GPU and framework's part, the optimizer step included
+    tokens_per_micro_batch: float
+    micro_batches: int
+    threads: int
+    pools: int
+    bytes_floor_s: float  # the experts' bytes x passes x micro-batches / read bandwidth
+    flop_floor_s: float  # the expert FLOPs (forward + input gradient) / matmul rate
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_micro_batch * self.micro_batches / self.step_s
+
+
+def kt_step_estimate(size: ModelSize, sft: SftConfig, threads: int, costs: CostModel = COSTS,
+                     tokens_per_micro_batch: float | None = None) -> KtStepEstimate:
+    """One optimizer step of KT 0.7 LoRA SFT on ``threads`` KT threads, by part.
+
+    Args:
+        tokens_per_micro_batch: tokens a micro-batch carries through the model, padding included
+            (default: ``per_device_train_batch_size x cutoff_len``, the bound).
+    """
+    micro_batches = sft.gradient_accumulation_steps
+    tokens = float(tokens_per_micro_batch if tokens_per_micro_batch is not None
+                   else sft.cutoff_len * sft.per_device_train_batch_size)
+    threads = max(int(threads), 1)
+    pools = max(kt_pools(sft), 1)
+    per_pool = max(threads / pools, 1.0)
+    read_bytes_s = pools * host_rate(costs.kt_read_gb_s, per_pool) * GB
+    matmul_flops_s = pools * host_rate(costs.kt_matmul_tflops, per_pool) * 1e12
+    layers = max(size.moe_layers, 1)
+    experts = max(size.routed_experts, 1)
+    top_k = min(max(size.experts_per_token, 1), experts)
+    per_expert = size.expert_parameters / (layers * experts)
+    # Only the experts some token is routed to are read: under uniform routing, all but (1 - k/E)^tokens.
+    active = experts * (1 - (1 - top_k / experts) ** tokens)
+    expert_format = kt_expert_format(sft)
+    pass_bytes = costs.kt_pass_bytes_per_param.get(expert_format, costs.kt_pass_bytes_per_param["rawint4"])
+    pass_floor = active * per_expert * pass_bytes / read_bytes_s
+    bytes_floor = active * per_expert * KT_BYTES_PER_PARAM.get(expert_format, 2.0) / read_bytes_s
+    flop_floor = tokens * top_k * 2 * per_expert / matmul_flops_s
+    flop_factor = costs.kt_flop_factor_by_format.get(expert_format, costs.kt_flop_factor_by_format["rawint4"])
+    recompute = not sft.disable_gradient_checkpointing and sft.kt_cpu_activation != "retain"
+    forwards = 2 if recompute else 1
+    forward = forwards * (costs.kt_forward_call_s + costs.kt_forward_bytes_floors * pass_floor
+                          + costs.kt_forward_flop_floors * flop_factor * flop_floor)
+    backward = (costs.kt_backward_call_s + costs.kt_backward_bytes_floors * pass_floor
+                + costs.kt_backward_flop_floors * flop_factor * flop_floor)
+    if kt_share_backward_bb(sft):
+        backward += costs.kt_repack_wait_s_per_param * size.expert_parameters / layers
+    if sft.fsdp_offload_params:
+        gpu = costs.kt_gpu_offload_base_s + costs.kt_gpu_offload_s_per_gb * 2 * size.non_expert_parameters / GB
+    else:
+        passes = 4 if sft.disable_gradient_checkpointing else 6
+        non_expert_matmul = size.non_expert_parameters - size.vocab_size * size.hidden_size
+        gpu = costs.kt_gpu_base_s + passes * non_expert_matmul * tokens / costs.kt_matmul_flops_per_s
+    kt_forward = micro_batches * layers * forward
+    kt_backward = micro_batches * layers * backward
+    gpu_s = micro_batches * gpu + costs.kt_optimizer_step_s
+    return KtStepEstimate(
+        step_s=kt_forward + kt_backward + gpu_s, kt_forward_s=kt_forward, kt_backward_s=kt_backward, gpu_s=gpu_s,
+        tokens_per_micro_batch=tokens, micro_batches=micro_batches, threads=threads, pools=pools,
+        bytes_floor_s=micro_batches * layers * (forwards + 1) * bytes_floor,
+        flop_floor_s=micro_batches * layers * 2 * flop_floor,
+    )
 
 
 def kt_step_seconds(size: ModelSize, sft: SftConfig, threads: int, costs: CostModel = COSTS,
-                    tokens_per_micro_batch: int | None = None) -> float:
-    """One optimizer step of KT 0.7 LoRA SFT, in seconds."""
-    micro_batches = sft.gradient_accumulation_steps
-    rate = costs.kt_expert_params_per_thread_s * max(threads, 1)
-    per_layer = size.expert_parameters_per_layer / rate
-    recompute = not sft.disable_gradient_checkpointing and sft.kt_cpu_activation != "retain"
-    forwards = 2 if recompute else 1
-    layer_s = forwards * (costs.kt_forward_call_s + per_layer) + costs.kt_backward_call_s + 2 * per_layer
-    tokens = tokens_per_micro_batch or sft.cutoff_len * sft.per_device_train_batch_size
-    if sft.fsdp_offload_params:
-        gpu_s = costs.kt_gpu_offload_base_s + costs.kt_gpu_offload_s_per_gb * 2 * size.non_expert_parameters / GB
-    else:
-        non_expert_matmul = size.non_expert_parameters - size.vocab_size * size.hidden_size
-        gpu_s = costs.kt_gpu_base_s + 4 * non_expert_matmul * tokens / costs.kt_matmul_flops_per_s
-    wait = costs.kt_repack_wait_s_per_param * size.expert_parameters if kt_share_backward_bb(sft) else 0.0
-    return micro_batches * (gpu_s + size.moe_layers * layer_s + wait)
+                    tokens_per_micro_batch: float | None = None) -> float:
+    """One optimizer step of KT 0.7 LoRA SFT, in seconds (:func:`kt_step_estimate`)."""
+    return kt_step_estimate(size, sft, threads, costs, tokens_per_micro_batch).step_s
 
 
 def hf_step_seconds(size: ModelSize, sft: SftConfig, costs: CostModel = COSTS,

@@ -12,9 +12,12 @@ recipe's ``source.size`` (what a model card or config.json says), else from the 
 safetensors headers, so a 600 GB download is sized before it starts. ``ktflow plan RECIPE [--host FILE]
 [--json]`` prints it; ``--host`` plans for another machine described by ``ktflow doctor --json``.
 
-Times are predictions for the host kind they were measured on (an H100 + 16-core AMX Xeon)
-scaled by thread count; where a stage has no calibration (the download's network), the line
-says so instead of guessing.
+Times are predictions for the host kind they were measured on (an H100 + 16-core AMX Xeon). KT's
+step follows the tokens a micro-batch carries (from the dataset's records when the files are here,
+else ``cutoff_len`` a record: the line says which), the micro-batches a step holds, the KT threads
+(through that host's measured bandwidth and matmul rate, not proportionally) and NUMA pools; the
+line names the micro-batch split the SFT stage trains (:mod:`ktflow.planning.batch_shape`). Where a
+stage has no calibration (the download's network), the line says so instead of guessing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from pydantic import BaseModel
 
 from ktflow.errors import InvalidInputError
 from ktflow.host.hardware import HostInfo
-from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_seconds
+from ktflow.host.pools import WORK_POOLS, pool_for_stage
+from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_batches, tokens_basis, tokens_per_micro_batch
+from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
@@ -45,10 +50,12 @@ class StageEstimate(BaseModel):
     gpu_bytes: int = 0  # on each GPU
     gpus: int = 0
     seconds: float | None = None
+    step_seconds: float | None = None  # sft: one optimizer step, predicted
     time_basis: str = ""
     candidate: str = ""  # evaluate: how a retrained adapter is judged here, and why
     fits: bool = True
     problems: list[str] = []
+    pools: list[str] = []  # the work pools (hosts) that run it when distributed; each makes its own copy
 
 
 class Plan(BaseModel):
@@ -63,6 +70,17 @@ class Plan(BaseModel):
     @property
     def fits(self) -> bool:
         return all(s.fits for s in self.stages if s.needed)
+
+    @property
+    def disk_by_pool(self) -> dict[str, int]:
+        """The disk each host's store needs, by work pool, when distributed (a stage two hosts run,
+        as download and dequantize where hosts keep their own stores, counts on each)."""
+        disk: dict[str, int] = {}
+        for s in self.stages:
+            if s.needed:
+                for pool in s.pools:
+                    disk[pool] = disk.get(pool, 0) + s.disk_bytes
+        return disk
 
     @property
     def seconds(self) -> float | None:
@@ -118,30 +136,46 @@ def size_from_facts(facts: ModelFacts, path: str) -> ModelSize:
 
 
 def plan_recipe(recipe: Recipe, host: HostInfo, *, size: ModelSize | None = None, model_source: str = "",
-                records: int | None = None, costs: CostModel = COSTS) -> Plan:
+                records: int | None = None, lengths: RecordLengths | None = None, costs: CostModel = COSTS) -> Plan:
     """Predict every stage of ``recipe`` on ``host``: disk, RAM, GPU memory, GPUs and time, and what does not fit.
 
     Args:
         size: the model's size (default: :func:`model_size_for`).
         records: the training records (default: counted from the dataset files when they exist).
+        lengths: the records' tokens (default: read from the dataset files when they exist, with the
+            model's tokenizer when the checkpoint is here; else each record counts as ``cutoff_len``).
     """
     if size is None:
         size, model_source = model_size_for(recipe)
     if records is None:
         records = _count_records(recipe)
+    if lengths is None and records is not None:
+        from ktflow.stages.weights import expected_source
+
+        lengths = record_lengths(recipe, expected_source(recipe))
     requirements = host_requirements(recipe)
     estimates = []
     for stage in plan_stages(recipe, host):
-        line = StageEstimate(stage=stage.stage, needed=stage.needed, reason=stage.reason)
+        line = StageEstimate(stage=stage.stage, needed=stage.needed, reason=stage.reason,
+                             pools=stage_pools(recipe, stage.stage))
         if stage.needed:
             line.problems = check_requirement(requirements[stage.stage], host)
             if size is not None:
-                _predict(line, recipe, host, size, records, costs)
+                _predict(line, recipe, host, size, records, lengths, costs)
             else:
                 line.time_basis = "model size unknown"
             line.fits = not line.problems
         estimates.append(line)
     return Plan(recipe=recipe.name, host=host.hostname, model_source=model_source, model=size, stages=estimates)
+
+
+def stage_pools(recipe: Recipe, stage: StageName) -> list[str]:
+    """The work pools that run ``stage`` of ``recipe`` when distributed: its own, and, where hosts keep
+    their own stores (``store.artifacts``), the pools that make the base weights for themselves."""
+    pools = [pool_for_stage(stage).name]
+    if recipe.store.artifacts:
+        pools += [p.name for p in WORK_POOLS if stage in p.prepares]
+    return pools
 
 
 def _count_records(recipe: Recipe) -> int | None:
@@ -155,7 +189,7 @@ def _count_records(recipe: Recipe) -> int | None:
 
 
 def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
-             costs: CostModel) -> None:
+             lengths: RecordLengths | None, costs: CostModel) -> None:
     bf16_bytes = 2 * size.parameters
     ram: RamNeed | None = None
     gpu: GpuNeed | None = None
@@ -169,7 +203,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         line.seconds = bf16_bytes / costs.dequantize_bytes_per_s
         line.time_basis = f"{costs.dequantize_bytes_per_s / GB:.1f} GB/s of BF16 written (fsync)"
     elif line.stage == "sft":
-        ram, gpu = _predict_sft(line, recipe, host, size, records, costs)
+        ram, gpu = _predict_sft(line, recipe, host, size, records, lengths, costs)
     elif line.stage == "quantize-int8":
         expert_bf16 = 2 * size.expert_parameters
         line.disk_bytes = size.expert_parameters + size.expert_parameters // 16  # INT8 + scales
@@ -213,42 +247,56 @@ def _kt_bytes(recipe: Recipe, size: ModelSize) -> int:
 
 
 def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
-                 costs: CostModel) -> tuple[RamNeed | None, GpuNeed | None]:
-    """The SFT line's time, and its declared RAM and GPU needs (``sft_needs``, what its preflight checks)."""
+                 lengths: RecordLengths | None, costs: CostModel) -> tuple[RamNeed | None, GpuNeed | None]:
+    """The SFT line's time, and its declared RAM and GPU needs (``sft_needs``, what its preflight checks).
+
+    KT's micro-batch split is the one the SFT stage will train (``sft.kt_shape_batches``), and the line
+    names a faster one when the recipe pins its own."""
     from ktflow.errors import HostRequirementError
     from ktflow.stages.sft import choose_sft_backend, sft_needs
 
-    chosen = ""
+    chosen, shaped = "", ""
     if recipe.sft.backend == "auto":
         try:
-            choice = choose_sft_backend(recipe, size, host)
+            choice = choose_sft_backend(recipe, size, host, lengths=lengths)
         except HostRequirementError as exc:
             line.problems.append(exc.reason)
             return None, None
-        recipe, chosen = choice.recipe, f"auto -> {choice.reason}. "
+        recipe, chosen, shaped = choice.recipe, f"auto -> {choice.reason}. ", choice.batch_shape or ""
+    elif recipe.sft.backend == "kt":
+        shape = shape_kt_batches(recipe, size, host, lengths, costs)
+        recipe, shaped = shape.recipe, shape.reason
     sft = recipe.sft
     needs = sft_needs(recipe, size)
     line.disk_bytes = sum(d.bytes for d in needs.disk)
     line.gpus = sft.gpus
     gb = size.stored_bytes / GB
+    tokens = tokens_per_micro_batch(sft, lengths)
     if sft.backend == "kt":
         threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
-        step = kt_step_seconds(size, sft, threads, costs)
+        estimate = kt_step_estimate(size, sft, threads, costs, tokens)
+        step = estimate.step_s
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
-        basis = f"KT step {step:.1f} s ({threads} threads; fitted on the H100 + 16-core AMX host)"
+        basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
+                 f"{sft.per_device_train_batch_size} x {sft.gradient_accumulation_steps} micro-batches, "
+                 f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
+                 "model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput)")
     elif sft.backend == "hf" and sft.gpus > 0:
-        step = hf_step_seconds(size, sft, costs)
+        step = hf_step_seconds(size, sft, costs, tokens_per_step=round(tokens * sft.gradient_accumulation_steps))
         load = costs.hf_load_s + costs.hf_load_s_per_gb * gb
-        basis = f"step {step:.1f} s at most (cutoff_len tokens a sample; fitted on the H100 host)"
+        basis = f"step {step:.1f} s ({tokens_basis(sft, lengths)}; fitted on the H100 host)"
     else:
         line.time_basis = f"{chosen}no calibration for sft.backend {sft.backend} on {sft.gpus} GPU(s)"
         return needs.ram, needs.gpu
+    line.step_seconds = step
+    if shaped:
+        basis += f"; {shaped}"
     steps = sft_steps(recipe, records)
     if steps is None:
         line.time_basis = chosen + basis + "; steps unknown until the dataset is here"
         return needs.ram, needs.gpu
     line.seconds = costs.prelaunch_s + load + steps * step + costs.publish_s
-    line.time_basis = f"{chosen}{basis}, {steps} steps"
+    line.time_basis = f"{chosen}{basis}; {steps} steps"
     return needs.ram, needs.gpu
 
 

@@ -168,11 +168,12 @@ def _size_of(path: str, config: dict, tensors: Iterable[tuple[str, str, tuple[in
     )
 
 
-def _activation_bytes(size: ModelSize, sft: SftConfig) -> int:
+def _activation_bytes(size: ModelSize, sft: SftConfig, layer_bytes: float = _LAYER_ACTIVATION_BYTES) -> int:
     """One micro-batch's activations (a BF16 checkpoint per layer plus one layer's full activations
-    under gradient checkpointing, every layer's without) and its logits."""
+    under gradient checkpointing, every layer's without; ``layer_bytes`` per token and hidden unit of
+    a layer) and its logits, for the longest micro-batch: ``cutoff_len x per_device_train_batch_size``."""
     tokens = sft.cutoff_len * sft.per_device_train_batch_size
-    per_layer = tokens * size.hidden_size * _LAYER_ACTIVATION_BYTES
+    per_layer = int(tokens * size.hidden_size * layer_bytes)
     if sft.disable_gradient_checkpointing:
         layers = per_layer * size.num_layers
     else:
@@ -233,6 +234,25 @@ _KT_BASE_GPU = 1445 * (1 << 20)
 _KT_NON_EXPERT_RSS_FACTOR = 3
 
 
+class KtMemoryModel(BaseModel):
+    """How KT SFT's GPU memory and RSS grow with the tokens of a micro-batch, fitted by
+    benchmarks/kt_step_model.py on docs/benchmarks/kt-throughput (``fit.json``; tests check the
+    defaults equal its fit)."""
+
+    # GPU without gradient checkpointing: bytes per token, decoder layer and hidden unit (the routed
+    # experts' activations stay on the CPU), and what FSDP2 without parameter offload holds beyond
+    # the formula at any length (unexplained by it: CUDA allocator pools, FSDP's buffers).
+    gpu_layer_activation_bytes: float = 32.23
+    gpu_no_offload_extra_bytes: int = 892 * (1 << 20)
+    # RSS with kt_cpu_activation retain: bytes per token, MoE layer and routed intermediate unit
+    # (top-k x moe_intermediate) that KT keeps on the CPU for the backward.
+    rss_retained_bytes: float = 17.08
+
+
+KT_MEMORY = KtMemoryModel()
+"""The memory constants ktflow plans with."""
+
+
 def kt_share_backward_bb(sft: SftConfig) -> bool:
     """kt-kernel 0.7.2's default when the recipe leaves it unset: shared backward buffers for every
     expert format but rawint4 and mxfp4 (``kt_kernel.sft.config``)."""
@@ -242,15 +262,18 @@ def kt_share_backward_bb(sft: SftConfig) -> bool:
     return (kt.effective_weight_format if kt is not None else "bf16") not in ("rawint4", "mxfp4")
 
 
-def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig) -> KtSftMemoryEstimate:
+def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig, memory: KtMemoryModel = KT_MEMORY
+                           ) -> KtSftMemoryEstimate:
     """GPU memory and host RSS at the peak of a KT 0.7 LoRA SFT run of ``size``.
 
     RSS: the routed experts as stored (twice for BF16 experts without shared backward buffers:
     kt-kernel then keeps a transposed copy; one layer's worth more with them), three times the
-    non-expert weights in BF16, and KT's own footprint. GPU: the non-expert BF16 weights (with
-    FSDP offload only the embeddings, lm_head and two layers are resident at once), LoRA state,
-    one micro-batch's activations and logits, and KT's fixed 1,445 MiB. Constants are fitted on
-    the H100 host's runs; residuals there: RSS -4 to +4 %, GPU -8 to +7 %.
+    non-expert weights in BF16, KT's own footprint, and with ``kt_cpu_activation: retain`` the
+    routed experts' activations of the longest micro-batch (``cutoff_len x per_device_train_batch_size``
+    tokens). GPU: the non-expert BF16 weights (with FSDP offload only the embeddings, lm_head and
+    two layers are resident at once; without it, ~1 GiB more at any length, fitted), LoRA state,
+    the longest micro-batch's activations and logits, and KT's fixed 1,445 MiB. Token slopes are
+    fitted on docs/benchmarks/kt-throughput (:class:`KtMemoryModel`), the rest on calibration.json's legs.
     """
     bf16_experts = (sft.kt_config.effective_weight_format if sft.kt_config else "bf16") == "bf16"
     share_bb = kt_share_backward_bb(sft)
@@ -258,27 +281,45 @@ def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig) -> KtSftMemoryEstima
     copies = 2 if bf16_experts and not share_bb else 1
     one_layer = experts // max(size.moe_layers, 1) if bf16_experts and share_bb else 0
     non_expert = 2 * size.non_expert_parameters
-    rss = _KT_BASE_RSS + copies * experts + one_layer + _KT_NON_EXPERT_RSS_FACTOR * non_expert
+    tokens = sft.cutoff_len * sft.per_device_train_batch_size
+    retained = kt_retained_activation_bytes(size, tokens, memory) if sft.kt_cpu_activation == "retain" else 0
+    rss = _KT_BASE_RSS + copies * experts + one_layer + _KT_NON_EXPERT_RSS_FACTOR * non_expert + retained
     gpus = max(sft.gpus, 1)
     embed = 2 * size.vocab_size * size.hidden_size
     if sft.fsdp_offload_params:
         per_layer = (size.non_expert_parameters - embed) // max(size.num_layers, 1)
         resident = 2 * (embed + 2 * per_layer)
     else:
-        resident = non_expert // gpus
+        resident = non_expert // gpus + memory.gpu_no_offload_extra_bytes
     trainable = _TRAINABLE_BYTES * lora_parameters(size, target=sft.lora_target, rank=sft.lora_rank) // gpus
-    activations = _activation_bytes(size, sft)
+    activations = _activation_bytes(size, sft, memory.gpu_layer_activation_bytes if sft.disable_gradient_checkpointing
+                                    else _LAYER_ACTIVATION_BYTES)
     gpu = resident + trainable + activations + _KT_BASE_GPU
     return KtSftMemoryEstimate(
         gpu_bytes=gpu, rss_bytes=rss,
         gpu_why=f"{resident / GiB:.1f} GiB of resident BF16 weights, "
-                f"{trainable / GiB:.1f} GiB of LoRA state, {activations / GiB:.1f} GiB of activations, "
-                f"{_KT_BASE_GPU / GiB:.1f} GiB of CUDA context and KT buffers",
+                f"{trainable / GiB:.1f} GiB of LoRA state, {activations / GiB:.1f} GiB of activations "
+                f"for {tokens} tokens a micro-batch, {_KT_BASE_GPU / GiB:.1f} GiB of CUDA context and KT buffers",
         rss_why=f"{copies * experts / GiB:.1f} GiB of routed experts as stored"
                 f"{' (a second, transposed BF16 copy: kt_share_backward_bb false)' if copies == 2 else ''}, "
                 f"{_KT_NON_EXPERT_RSS_FACTOR * non_expert / GiB:.1f} GiB for the non-expert weights, "
-                f"{_KT_BASE_RSS / GiB:.1f} GiB of runtime",
+                + (f"{retained / GiB:.1f} GiB of expert activations retained for {tokens} tokens, " if retained else "")
+                + f"{_KT_BASE_RSS / GiB:.1f} GiB of runtime",
     )
+
+
+def kt_retained_activation_bytes(size: ModelSize, tokens: float, memory: KtMemoryModel = KT_MEMORY) -> int:
+    """What KT keeps on the CPU for the backward of one micro-batch of ``tokens`` tokens
+    (``kt_cpu_activation: retain``): ``rss_retained_bytes`` per token, MoE layer and routed
+    intermediate unit (top-k x moe_intermediate, the latter from the experts' parameter count)."""
+    return int(tokens * size.moe_layers * routed_intermediate_units(size) * memory.rss_retained_bytes)
+
+
+def routed_intermediate_units(size: ModelSize) -> float:
+    """top-k x moe_intermediate_size: an expert holds 3 x hidden x moe_intermediate parameters."""
+    experts = max(size.moe_layers, 1) * max(size.routed_experts, 1)
+    intermediate = size.expert_parameters / experts / (3 * max(size.hidden_size, 1))
+    return size.experts_per_token * intermediate
 
 
 def kt_sft_needs(size: ModelSize, sft: SftConfig) -> tuple[GpuNeed, RamNeed]:

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ktflow.errors import AdapterError, InvalidInputError
-from ktflow.formats.checkpoint import checkpoint_digest, identity_digest
+from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint, identity_digest
 from ktflow.recipe import Recipe
 from ktflow.registry import (
     JUDGING_MOVE,
@@ -76,6 +76,7 @@ def register_adapter(recipe: Recipe, *, adapter_dir: Path, sft_adapter_dir: Path
                                 "pass the SFT stage's adapter directory")
     lineage = Lineage(
         base_digest=sft.inputs.get("base") or checkpoint_digest(base_dir), base_dir=Path(base_dir).absolute(),
+        base_fingerprint=sft.inputs.get("base_fingerprint") or checkpoint_fingerprint(base_dir),
         dataset_digest=sft.inputs.get("data", ""),
         recipe_digest=identity_digest(recipe.model_dump(mode="json", exclude={"evaluation", "serving", "store"})),
         sft_run=Path(sft_adapter_dir).absolute(), sft_manifest_digest=sft.digest(), trigger=trigger or Trigger(),
@@ -187,13 +188,19 @@ def check_same_base(version: AdapterVersion, served: AdapterVersion | None, base
     Raises:
         AdapterError: the bases differ (both digests named).
     """
-    expected = served.lineage.base_digest if served is not None else None
-    if expected is None and base_dir is not None:
+    mine, expected = version.lineage.base_digest, served.lineage.base_digest if served is not None else None
+    # Compared by content fingerprint where both sides have one: a base each host made itself (hosts
+    # without a shared store) has another mtime, hence another cache digest, on the serving host.
+    theirs = served.lineage.base_fingerprint if served is not None else (
+        checkpoint_fingerprint(base_dir) if base_dir is not None else None)
+    if version.lineage.base_fingerprint and theirs:
+        mine, expected = version.lineage.base_fingerprint, theirs
+    elif expected is None and base_dir is not None:
         expected = checkpoint_digest(base_dir)
-    if expected is not None and version.lineage.base_digest != expected:
+    if expected is not None and mine != expected:
         what = f"v{served.version}'s base" if served is not None else f"the served model {base_dir}"
         raise AdapterError(f"{version.recipe} v{version.version}",
-                           f"was trained on base {version.lineage.base_digest[:12]} ({version.lineage.base_dir}), "
+                           f"was trained on base {mine[:12]} ({version.lineage.base_dir}), "
                            f"not on {what} ({expected[:12]})", "promote a version trained on the served model")
 
 

@@ -13,9 +13,10 @@ from ktflow.formats.checkpoint import checkpoint_digest
 from ktflow.recipe import Recipe, as_weights_reader, needs_bf16_weights
 
 
-def bf16_dir_for(recipe: Recipe, source_dir: Path) -> Path:
-    """Where the dequantize stage publishes the BF16 copy of ``source_dir``."""
-    return recipe.store.layout.bf16(checkpoint_digest(source_dir)[:16])
+def bf16_dir_for(recipe: Recipe, source_dir: Path, digest: str | None = None) -> Path:
+    """Where the dequantize stage publishes the BF16 copy of ``source_dir``. ``digest``: its
+    checkpoint digest when the host that holds it computed it (the caller's host may not)."""
+    return recipe.store.layout.bf16((digest or checkpoint_digest(source_dir))[:16])
 
 
 def ensure_source(recipe: Recipe, *, token: str | None = None) -> Path:

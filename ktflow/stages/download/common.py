@@ -81,6 +81,11 @@ class DownloadResult(BaseModel):
     bytes: int
     manifest_digest: str
     cached: bool
+    # Filled by the host that holds it when another host needs them (hosts without a shared store):
+    # its cache-key digest, which names the BF16 copy, and its content fingerprint, equal on every
+    # host that holds the same bytes (formats.checkpoint).
+    checkpoint_digest: str | None = None
+    checkpoint_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """``sft.backend: auto``: hf when the model fits the GPUs with a margin, the weights are BF16 already and
-it is predicted faster, else kt with this host's settings; and refusing plain SFT of a model the
+it is predicted faster, else kt with this host's settings and, where the recipe lets it
+(``sft.kt_shape_batches``), the micro-batch split KT trains fastest; and refusing plain SFT of a model the
 GPUs cannot hold before anything is downloaded or converted."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pydantic import BaseModel
 
 from ktflow.errors import HostRequirementError, InvalidInputError
 from ktflow.host.hardware import HostInfo
+from ktflow.planning.batch_shape import RecordLengths, ShapeChoice, record_lengths, shape_kt_batches, tokens_per_micro_batch
 from ktflow.planning.sizing import (
     HF_DOES_NOT_FIT_FIX,
     ModelSize,
@@ -35,6 +37,7 @@ class SftChoice(BaseModel):
     reason: str
     hf_step_s: float | None = None  # predicted seconds a step (None: hf cannot run here)
     kt_step_s: float | None = None
+    batch_shape: str | None = None  # the KT micro-batch split chosen, or the one that would be (and why)
 
 
 # Plain SFT is chosen only with this much of the GPUs' memory to spare (the estimate is within a few
@@ -59,12 +62,15 @@ def _kt_side(recipe: Recipe, size: ModelSize, host: HostInfo) -> Recipe:
 
 
 def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
-                       model_config: dict[str, Any] | None = None) -> SftChoice:
+                       model_config: dict[str, Any] | None = None, lengths: RecordLengths | None = None) -> SftChoice:
     """Resolve ``sft.backend: auto`` for ``size`` on ``host``.
 
     hf when the model, its LoRA state and activations fit the GPUs with a margin, the weights are
-    BF16 already, and it is predicted faster (:mod:`ktflow.planning.costs`); kt otherwise, with the host's
-    KT settings (:func:`_kt_side`). A recipe's explicit values always win.
+    BF16 already, and it is predicted faster (:mod:`ktflow.planning.costs`, tokens from ``lengths``
+    where the dataset was read, else ``cutoff_len`` a record); kt otherwise, with the host's KT
+    settings (:func:`_kt_side`) and the micro-batch split of
+    :func:`~ktflow.planning.batch_shape.shape_kt_batches` where ``sft.kt_shape_batches`` allows. A
+    recipe's explicit values always win.
 
     Raises:
         HostRequirementError: neither backend can run here (both reasons named).
@@ -91,8 +97,16 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
     except InvalidInputError as exc:
         kt_problems.append(exc.reason)
     threads = (kt_recipe.sft.kt_config.kt_num_threads if kt_recipe.sft.kt_config else None) or host.physical_cores
-    t_kt = None if kt_problems else kt_step_seconds(size, kt_recipe.sft, threads)
-    t_hf = None if hf_problems else hf_step_seconds(size, hf_recipe.sft)
+    shape: ShapeChoice | None = None
+    t_kt = None
+    if not kt_problems:
+        shape = shape_kt_batches(kt_recipe, size, host, lengths)
+        kt_recipe = shape.recipe
+        t_kt = kt_step_seconds(size, kt_recipe.sft, threads, tokens_per_micro_batch=tokens_per_micro_batch(
+            kt_recipe.sft, lengths))
+    hf_tokens = None if lengths is None else round(
+        tokens_per_micro_batch(hf_recipe.sft, lengths) * hf_recipe.sft.gradient_accumulation_steps)
+    t_hf = None if hf_problems else hf_step_seconds(size, hf_recipe.sft, tokens_per_step=hf_tokens)
     if t_hf is not None and (t_kt is None or t_hf <= t_kt):
         vs = f", KT {t_kt:.1f} s" if t_kt is not None else f" (KT cannot run: {'; '.join(kt_problems)})"
         reason = (f"hf: the model fits the GPUs (~{hf_need / GiB:.1f} of {have / GiB:.1f} GiB) and a step is "
@@ -105,7 +119,8 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
         why = "; ".join(hf_problems) or f"KT is predicted faster ({t_kt:.1f} s a step against {t_hf:.1f} s)"
         tuning = ", tuned: no shared backward buffers, activations retained" if tuned else ""
         reason = f"kt ({kt.kt_backend}, {threads} threads{tuning}): {why}; a step is predicted at {t_kt:.1f} s"
-        return SftChoice(recipe=kt_recipe, backend="kt", reason=reason, hf_step_s=t_hf, kt_step_s=t_kt)
+        return SftChoice(recipe=kt_recipe, backend="kt", reason=reason, hf_step_s=t_hf, kt_step_s=t_kt,
+                         batch_shape=shape.reason if shape is not None else None)
     raise HostRequirementError("sft.backend: auto", f"neither backend can run here: hf: {'; '.join(hf_problems)}; "
                                                    f"kt: {'; '.join(kt_problems)}.",
                                "run on a host with more GPU memory or a KT-capable CPU (ktflow plan says what each needs)")
@@ -129,10 +144,28 @@ def check_hf_fits_gpus(recipe: Recipe, host: HostInfo, model_dir: Path) -> None:
         raise HostRequirementError("sft.backend: hf", problem, HF_DOES_NOT_FIT_FIX)
 
 
-def resolve_auto_backend(recipe: Recipe, model_dir: Path, host: HostInfo) -> SftChoice | None:
+def resolve_auto_backend(recipe: Recipe, model_dir: Path, host: HostInfo,
+                         lengths: RecordLengths | None = None) -> SftChoice | None:
     """:func:`choose_sft_backend` for the model in ``model_dir`` (its headers); None unless the recipe says auto."""
     if recipe.sft.backend != "auto":
         return None
     config_path = Path(model_dir) / "config.json"
     model_config = json.loads(config_path.read_text()) if config_path.is_file() else None
-    return choose_sft_backend(recipe, model_size(Path(model_dir)), host, model_config)
+    return choose_sft_backend(recipe, model_size(Path(model_dir)), host, model_config, lengths)
+
+
+def resolve_batch_shape(recipe: Recipe, model_dir: Path, host: HostInfo,
+                        lengths: RecordLengths | None = None) -> ShapeChoice | None:
+    """:func:`~ktflow.planning.batch_shape.shape_kt_batches` for a ``backend: kt`` recipe that opts in
+    (``sft.kt_shape_batches: true``) on the model in ``model_dir``; None for any other recipe."""
+    if recipe.sft.backend != "kt" or not recipe.sft.kt_shape_batches:
+        return None
+    return shape_kt_batches(recipe, model_size(Path(model_dir)), host, lengths)
+
+
+def dataset_lengths(recipe: Recipe, model_dir: Path) -> RecordLengths | None:
+    """The records' token counts, read only where a choice depends on them (backend auto, or KT shaping)."""
+    sft = recipe.sft
+    if sft.backend == "auto" or (sft.backend == "kt" and sft.kt_shape_batches):
+        return record_lengths(recipe, model_dir)
+    return None

@@ -69,6 +69,7 @@ class SftResult(BaseModel):
     manifest_digest: str
     backend: str = ""  # the backend that trained it (``auto`` resolved)
     backend_reason: str | None = None  # why ``sft.backend: auto`` chose it
+    batch_shape: str | None = None  # the KT micro-batch split trained (or a faster one it could have), and why
 
 
 # --------------------------------------------------------------------------- rendering

@@ -25,8 +25,14 @@ def run_key(recipe: Recipe, *, base_digest: str, data_digest: str) -> str:
     """The run's identity: base model, data, every training setting and the engine version.
 
     The store root and toolchain paths are left out (they move between hosts; the result doesn't).
+    Where ktflow shapes KT's micro-batches (``sft.kt_shape_batches``), the split depends on the host
+    that trains, so the key holds the effective batch instead: any host finds the run, and a resume
+    elsewhere continues it at the same sample (a step holds the same records whatever the split).
     """
-    settings = recipe.sft.model_dump(mode="json")
+    settings = recipe.sft.model_dump(mode="json", exclude={"kt_shape_batches"})
+    if recipe.sft.kt_shape_batches:
+        settings["effective_batch"] = recipe.sft.per_device_train_batch_size * recipe.sft.gradient_accumulation_steps
+        settings["per_device_train_batch_size"] = settings["gradient_accumulation_steps"] = None
     payload = json.dumps(
         {"base": base_digest, "data": data_digest, "sft": settings, "dataset": recipe.dataset.name,
          "engine": ENGINE_VERSION},

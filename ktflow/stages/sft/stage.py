@@ -17,7 +17,7 @@ from typing import Any
 
 from ktflow.errors import InvalidInputError, KtflowError
 from ktflow.formats.adapter import ADAPTER_FILES
-from ktflow.formats.checkpoint import checkpoint_digest
+from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint
 from ktflow.formats.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.host.hardware import HostInfo
 from ktflow.host.process import LogFollower, ThrottledLines, run_tool, tool_versions
@@ -31,7 +31,7 @@ from ktflow.planning.stage_plan import host_requirements
 from ktflow.recipe import Recipe
 from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.stages.sft.auto import resolve_auto_backend
+from ktflow.stages.sft.auto import dataset_lengths, resolve_auto_backend, resolve_batch_shape
 from ktflow.stages.sft.render import (
     ACCELERATE_YAML,
     ADAPTER,
@@ -105,17 +105,23 @@ def sft_needs(recipe: Recipe, size: ModelSize) -> Resources:
     )
 
 
+def run_adapter_dir(recipe: Recipe, model_dir: Path) -> Path:
+    """Where this recipe's run on ``model_dir`` (same data and settings) publishes its adapter,
+    whether or not it has run."""
+    model_dir = model_dir.absolute()
+    template_model = model_dir if recipe.sft.template == "empty" else None
+    data = dataset_digest(recipe.dataset, template=recipe.sft.template, model_dir=template_model)
+    key = run_key(recipe, base_digest=checkpoint_digest(model_dir), data_digest=data)
+    return (run_dir_for(recipe, key) / ADAPTER).absolute()
+
+
 def locate_adapter(recipe: Recipe, model_dir: Path) -> Path:
     """The published adapter of this recipe's run on ``model_dir`` (same data and settings).
 
     Raises:
         InvalidInputError: the run has not completed (train it first with ``ktflow sft``).
     """
-    model_dir = model_dir.absolute()
-    template_model = model_dir if recipe.sft.template == "empty" else None
-    data = dataset_digest(recipe.dataset, template=recipe.sft.template, model_dir=template_model)
-    key = run_key(recipe, base_digest=checkpoint_digest(model_dir), data_digest=data)
-    adapter = (run_dir_for(recipe, key) / ADAPTER).absolute()
+    adapter = run_adapter_dir(recipe, model_dir)
     if read_manifest(adapter) is None:
         raise InvalidInputError(
             f"recipe '{recipe.name}'", f"has no trained adapter for this base and data (looked in {adapter})",
@@ -135,6 +141,7 @@ class SftRequest:
     log: Callable[[str], None] | None = None
     timeout_s: float | None = None
     backend_reason: str | None = None  # why ``sft.backend: auto`` chose this backend
+    batch_shape: str | None = None  # the KT micro-batch split chosen (or that would be), and why
 
 
 @dataclass(kw_only=True)
@@ -249,7 +256,8 @@ def _manifest(job: _Job) -> StageManifest:
     config_digest = hashlib.sha256((job.run_dir / TRAIN_YAML).read_bytes()).hexdigest()
     return StageManifest(
         stage="sft",
-        inputs={"base": job.base_digest, "data": job.data_digest, "config": config_digest},
+        inputs={"base": job.base_digest, "data": job.data_digest, "config": config_digest,
+                "base_fingerprint": checkpoint_fingerprint(job.request.model_dir)},
         settings={"backend": recipe.sft.backend, "run_key": job.key},
         # KT's forks are distributions of their own (llamafactory-kt, transformers-kt, ...) that import
         # under the upstream module names: a KT toolchain has no "transformers" distribution.
@@ -258,7 +266,7 @@ def _manifest(job: _Job) -> StageManifest:
                "tokens_per_second": summary["tokens_per_second"],
                "loss_curve": (job.output_dir / "training_loss.png").exists(),
                "resumed_from": str(job.resumed_from) if job.resumed_from else None,
-               "backend_reason": job.request.backend_reason},
+               "backend_reason": job.request.backend_reason, "batch_shape": job.request.batch_shape},
     )
 
 
@@ -274,7 +282,8 @@ def _result_of(job: _Job, manifest: StageManifest, *, cached: bool) -> SftResult
                      final_loss=extra.get("final_loss"), seconds=job.seconds(),
                      tokens_per_second=extra.get("tokens_per_second"),
                      loss_curve=curve if extra.get("loss_curve") else None, manifest_digest=manifest.digest(),
-                     backend=str(manifest.settings.get("backend", "")), backend_reason=extra.get("backend_reason"))
+                     backend=str(manifest.settings.get("backend", "")), backend_reason=extra.get("backend_reason"),
+                     batch_shape=extra.get("batch_shape"))
 
 
 SFT: StageSpec[SftRequest, _Job, ModelSize, SftResult] = StageSpec(
@@ -320,13 +329,22 @@ def run_sft(
         StorageError: the store filled up (or became read-only) while preparing or publishing.
         ToolError: LlamaFactory failed (its last lines are in the message; the run resumes on retry).
     """
-    choice = resolve_auto_backend(recipe, Path(model_dir), host)
+    lengths = dataset_lengths(recipe, Path(model_dir))
+    choice = resolve_auto_backend(recipe, Path(model_dir), host, lengths)
+    shape_reason = None
     if choice is not None:
-        recipe = choice.recipe
+        recipe, shape_reason = choice.recipe, choice.batch_shape
         if log is not None:
             log(f"sft.backend auto -> {choice.reason}")
+    else:
+        shape = resolve_batch_shape(recipe, Path(model_dir), host, lengths)
+        if shape is not None:
+            recipe, shape_reason = shape.recipe, shape.reason
+    if shape_reason and log is not None:
+        log(f"sft {shape_reason}")
     request = SftRequest(recipe=recipe, model_dir=Path(model_dir), host=host, on_record=progress, log=log,
-                         timeout_s=timeout_s, backend_reason=choice.reason if choice else None)
+                         timeout_s=timeout_s, backend_reason=choice.reason if choice else None,
+                         batch_shape=shape_reason)
     return run_stage(SFT, request, host=host)
 
 
