@@ -55,8 +55,8 @@ class ArtifactStore(Block):
                     "(sftp) or {\"key\": ..., \"secret\": ..., \"client_kwargs\": {\"endpoint_url\": ...}} (s3)")
 
     def store(self, url: str | None = None) -> ArtifactStoreClient:
-        """The artifact store client: this block's URL (the recipe's ``url`` is only a check: the
-        same store, if it names one) with the block's credentials."""
+        """The artifact store client at this block's URL, with the block's credentials. ``url``, the
+        recipe's name for the same store, is not used: a host may reach it by another address."""
         check_artifact_url(self.url, "ArtifactStore.url")
         return ArtifactStoreClient(self.url, self.storage_options.get_secret_value())
 

@@ -90,12 +90,14 @@ def host_store(declared: str | Path | None) -> HostStore:
 
 def host_artifact_store(url: str | None) -> ArtifactStore | None:
     """The artifact store at ``url`` with this host's credentials (its ArtifactStore block, else the
-    environment: SSH keys or agent, ``AWS_*``, ...); None when the hosts share one store."""
+    environment: SSH keys or agent, ``AWS_*``, ...); None when the hosts share one store (no URL)."""
+    if not url:
+        return None
     if os.environ.get(ARTIFACTS_BLOCK_ENV):
         from blocks import ArtifactStore as ArtifactStoreBlock
 
         return ArtifactStoreBlock.load(os.environ[ARTIFACTS_BLOCK_ENV]).store(url)
-    return ArtifactStore(url) if url else None
+    return ArtifactStore(url)
 
 
 def host_recipe_store(recipe: Recipe) -> Recipe:
@@ -205,7 +207,7 @@ def convert_lora_stage(adapter_dir: str, out_dir: str, base_dir: str, serve_pyth
     adapter = store.to_host(adapter_dir)
     if fetch is not None:
         artifacts = host_artifact_store(fetch.url)
-        assert artifacts is not None
+        assert artifacts is not None  # a URL was given
         artifacts.fetch(fetch, adapter)
         get_run_logger().info("adapter %s fetched and verified (%d files, %d bytes)", fetch.where(), fetch.files,
                               fetch.bytes)

@@ -160,13 +160,7 @@ def user_prompts(cfg: DatasetConfig) -> Iterator[tuple[str, str]]:
         DatasetError: a file cannot be read at all (missing, empty, not JSON): what it holds is
             unknown, so nothing may be concluded from its absence.
     """
-    _check_config(cfg)
-    for item in _normalized_records(cfg):
-        if isinstance(item, BadRecord):
-            if item.line == 0:
-                raise DatasetError("dataset.files", str(item), "fix the training data's path or file")
-            continue
-        where, normalized = item
+    for where, normalized in _good_records(cfg):
         at = f"{where.file}:{where.line if where.unit == 'line' else f'record {where.line}'}"
         for message in normalized.messages:
             content = message.get("content")
@@ -182,13 +176,19 @@ def record_messages(cfg: DatasetConfig) -> Iterator[list[dict[str, Any]]]:
     Raises:
         DatasetError: a file cannot be read at all, or the config does not fit the format.
     """
+    for _, normalized in _good_records(cfg):
+        yield normalized.messages
+
+
+def _good_records(cfg: DatasetConfig) -> Iterator[Any]:
+    """``(where, normalized)`` of every good record; a file that cannot be read at all raises."""
     _check_config(cfg)
     for item in _normalized_records(cfg):
         if isinstance(item, BadRecord):
             if item.line == 0:
                 raise DatasetError("dataset.files", str(item), "fix the training data's path or file")
             continue
-        yield item[1].messages
+        yield item
 
 
 def dataset_digest(cfg: DatasetConfig, *, template: str, model_dir: Path | None = None) -> str:
