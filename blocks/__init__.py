@@ -23,7 +23,9 @@ from ktflow.recipe import Toolchain as RecipeToolchain
 
 
 class ModelStore(Block):
-    """The artifact store: one root, mounted at the same path on every host (NFS or local)."""
+    """The store: one root for every stage's artifacts, on one host or mounted at the same path on
+    every host (NFS). Hosts without a shared filesystem keep their own (``ktflow worker --store-root``)
+    and hand each other what crosses through an :class:`ArtifactStore`."""
 
     _block_type_name = "ktflow Model Store"
     _block_type_slug = "ktflow-model-store"

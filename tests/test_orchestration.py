@@ -217,7 +217,7 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: b
     assert block["url"] == setup.endpoint_record()["url"] and block["api_key_env"] == "KTFLOW_API_KEY"
     assert "ktflow-crash-zombie-flow-runs" in setup.cluster.prefect("automation", "ls").stdout
     types = setup.cluster.prefect("block", "type", "ls").stdout
-    for block_type in ("ktflow-model-store", "ktflow-toolchain", "ktflow-huggingface-credentials"):
+    for block_type in ("ktflow-model-store", "ktflow-toolchain", "ktflow-huggingface-credentials", "ktflow-artifact-store"):
         assert block_type in types, types
 
 
