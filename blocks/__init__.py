@@ -56,9 +56,9 @@ class ArtifactStore(Block):
         description="fsspec options with the credentials, e.g. {\"key_filename\": \"/etc/ktflow/id_ed25519\"} "
                     "(sftp) or {\"key\": ..., \"secret\": ..., \"client_kwargs\": {\"endpoint_url\": ...}} (s3)")
 
-    def store(self, url: str | None = None) -> ArtifactStoreClient:
-        """The artifact store client at this block's URL, with the block's credentials. ``url``, the
-        recipe's name for the same store, is not used: a host may reach it by another address."""
+    def store(self) -> ArtifactStoreClient:
+        """The artifact store client at this block's URL (a host may reach the recipe's store by
+        another address), with the block's credentials."""
         check_artifact_url(self.url, "ArtifactStore.url")
         return ArtifactStoreClient(self.url, self.storage_options.get_secret_value())
 

@@ -96,7 +96,7 @@ def host_artifact_store(url: str | None) -> ArtifactStore | None:
     if os.environ.get(ARTIFACTS_BLOCK_ENV):
         from blocks import ArtifactStore as ArtifactStoreBlock
 
-        return ArtifactStoreBlock.load(os.environ[ARTIFACTS_BLOCK_ENV]).store(url)
+        return ArtifactStoreBlock.load(os.environ[ARTIFACTS_BLOCK_ENV]).store()
     return ArtifactStore(url)
 
 

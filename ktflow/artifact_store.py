@@ -37,6 +37,7 @@ from ktflow.formats.safetensors_io import fsync_dir
 from ktflow.store import (
     MANIFEST_NAME,
     artifact_lock,
+    file_sha256,
     list_files,
     read_manifest,
     rename_into_place,
@@ -161,7 +162,7 @@ class ArtifactStore:
         if there is not None and there.digest == digest:
             return self._ref(there)
         names = [e.path for e in list_files(local_dir)] + [MANIFEST_NAME]  # its own manifest travels too
-        files = [TransferFile(path=name, size=(local_dir / name).stat().st_size, sha256=_sha256(local_dir / name))
+        files = [TransferFile(path=name, size=(local_dir / name).stat().st_size, sha256=file_sha256(local_dir / name))
                  for name in names]
         transfer = TransferManifest(key=key, digest=digest, files=files)
         total, done = transfer.bytes, 0
@@ -266,8 +267,6 @@ class ArtifactStore:
                 problem = "is missing"
                 continue
             except OSError as exc:
-                if isinstance(exc, ArtifactStoreError):
-                    raise
                 problem = f"could not be read ({exc})"
                 continue
             if size != entry.size:
@@ -279,11 +278,3 @@ class ArtifactStore:
         dst.unlink(missing_ok=True)
         raise ArtifactCorruptError(f"{ref.where()}/{entry.path} {problem}, after {attempts} fetches: refused. Delete "
                                    f"{ref.where()}/{TRANSFER_NAME} and rerun the producing stage to republish it")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

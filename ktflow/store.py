@@ -141,10 +141,10 @@ class HostStore:
             return value.model_copy(update={name: self.to_declared(getattr(value, name))
                                             for name in type(value).model_fields})
         if isinstance(value, Path):
-            rel = self._local_relative(value)
+            rel = self._relative(value, self.here)
             return value if rel is None else self.declared / rel
         if isinstance(value, str) and "/" in value and "://" not in value:
-            rel = self._local_relative(Path(value))
+            rel = self._relative(Path(value), self.here)
             return value if rel is None else str(self.declared / rel)
         if isinstance(value, list | tuple):
             return type(value)(self.to_declared(v) for v in value)
@@ -158,9 +158,6 @@ class HostStore:
         if rel is None:
             raise ValueError(f"{path} is not in the store {self.declared}")
         return rel.as_posix()
-
-    def _local_relative(self, path: Path) -> Path | None:
-        return self._relative(path, self.here)
 
     @staticmethod
     def _relative(path: Path, root: Path | None) -> Path | None:
@@ -214,6 +211,15 @@ def read_manifest(directory: Path) -> StageManifest | None:
     if not path.is_file():
         return None
     return StageManifest.model_validate_json(path.read_text(encoding="utf-8"))
+
+
+def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
+    """sha256 of the file at ``path``, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def list_files(directory: Path) -> list[FileEntry]:

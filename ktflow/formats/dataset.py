@@ -45,7 +45,7 @@ from pydantic import BaseModel
 
 from ktflow.errors import DatasetError
 from ktflow.recipe import DatasetConfig
-from ktflow.store import StageManifest, publish_dir, read_manifest, staging_dir_for
+from ktflow.store import StageManifest, file_sha256, publish_dir, read_manifest, staging_dir_for
 
 STAGE_NAME = "dataset"
 DATASET_INFO = "dataset_info.json"
@@ -369,11 +369,7 @@ def _file_hashes(cfg: DatasetConfig) -> list[tuple[str, str, int]]:
     """(label, sha256, size) of each source file, streamed."""
     out = []
     for path in cfg.files:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        out.append((str(path), h.hexdigest(), Path(path).stat().st_size))
+        out.append((str(path), file_sha256(Path(path)), Path(path).stat().st_size))
     return out
 
 

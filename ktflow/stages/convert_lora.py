@@ -26,7 +26,6 @@ with the same adapter files, base and settings is a cache hit.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -47,7 +46,7 @@ from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import run_tool, tool_versions
 from ktflow.resources import DiskNeed, Resources
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.store import StageManifest
+from ktflow.store import StageManifest, file_sha256
 
 STAGE = "convert-lora"
 ADAPTER_MODEL = "adapter_model.safetensors"
@@ -89,14 +88,6 @@ class ConvertLoraResult(BaseModel):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -198,7 +189,7 @@ def _verify_listed_file(adapter_dir: Path, path: Path, name: Any, record: Any) -
         raise AdapterError(str(file), f"is {size} bytes, but {KT_MANIFEST} says {record.get('size')}: the file "
                                       "was changed or truncated after the adapter was saved.",
                            "copy the file again from the training output.")
-    digest = _sha256_file(file)
+    digest = file_sha256(file)
     if digest != record["sha256"]:
         raise AdapterError(str(file), f"has sha256 {digest}, but {KT_MANIFEST} says {record['sha256']}: the file "
                                       "was changed after the adapter was saved (tampered or corrupted).",
@@ -664,7 +655,7 @@ def _prepare(request: ConvertLoraRequest) -> _Job:
     _check_kt_manifest_lora(adapter_dir, source.rank, source.alpha)
     for name in ADAPTER_FILES:
         if name not in hashes and (adapter_dir / name).is_file():
-            hashes[name] = _sha256_file(adapter_dir / name)
+            hashes[name] = file_sha256(adapter_dir / name)
     identity = StageManifest(
         stage=STAGE,
         inputs={**{f"adapter/{name}": digest for name, digest in sorted(hashes.items())},
