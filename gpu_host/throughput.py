@@ -9,6 +9,9 @@ repository root after ``bash gpu_host/run.sh setup fixture-big`` (the bigger-tha
     $PY gpu_host/throughput.py data                    # long synthetic records (cut at cutoff_len: exact lengths)
     $PY gpu_host/throughput.py run NAME:B:G:C:T:S ...  # KT RAWINT4 LoRA SFT runs, measured from outside
     $PY gpu_host/throughput.py fixture2                # a second bigger-than-GPU shape (replaces the first model)
+    $PY gpu_host/throughput.py fixture3                # a third shape, a quarter of the expert bytes (beside model 1)
+    $PY gpu_host/throughput.py chat-data               # multi-turn records of ~100-500 tokens (issue item 3)
+    $PY gpu_host/throughput.py host --quick            # the host's limits at 16 threads only (~15 s)
 
 A run ``NAME:B:G:C:T:S`` trains gpu_host/big-kt-rawint4.yaml with per_device_train_batch_size B,
 gradient_accumulation_steps G, cutoff_len C (every record is longer than 4,096 tokens, so each sample is
@@ -19,7 +22,10 @@ and measured from outside with kt_vs_hf's ``measure``: steady step time, peak GP
 (nvidia-smi every 100 ms), peak RSS of the process tree (every 250 ms). Steady steps: logged steps 3..S
 when S >= 4 (step 1 holds the load, step 2 is a warm-up), steps 2..S when S == 3. KT's timers cover
 the same steps. No checkpoint is saved during the run (save_strategy no); the adapter is saved at the end,
-after the last logged step. ``--model`` and ``--tag`` point a run at the second shape.
+after the last logged step. ``--model`` points a run at another shape, ``--recipe`` at another recipe (the
+BF16 V2-Lite of benchmarks/recipes/v2-lite-kt.yaml), ``--data`` at other records (``chat-data``: records of
+realistic lengths, so micro-batches are padded to their longest; ``--set sft.kt_shape_batches=true`` lets
+``ktflow sft`` shape the split, recorded as the run's ``batch_shape``).
 
 Each run writes build/gpu-host/tp/results/NAME.json; after each, the results folder is packed into
 $OUT/tp-results.tar.gz when OUT is set (what a device call brings back). Copy the JSON files to
@@ -47,8 +53,10 @@ BUILD = REPO / "build" / "gpu-host"
 TP = BUILD / "tp"
 RESULTS = TP / "results"
 DATA = TP / "data" / "long.jsonl"
+CHAT_DATA = TP / "data" / "chat.jsonl"
 MODEL = BUILD / "big" / "model"
 MODEL2 = TP / "model2"
+MODEL3 = TP / "model3"
 RECIPE = REPO / "gpu_host" / "big-kt-rawint4.yaml"
 KT_VS_HF = REPO / "benchmarks" / "kt_vs_hf.py"
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "gpu_host")]
@@ -58,7 +66,11 @@ from kt_vs_hf import _OPENERS, _sentence, _summarize_profile, measure  # noqa: E
 SHAPE2 = {"layers": 6, "experts": 256, "experts_per_tok": 8, "hidden": 7168, "moe_intermediate": 2048,
           "intermediate": 18432, "heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
           "qk_rope_head_dim": 64, "v_head_dim": 128}
+# The third: Kimi's widths, 4 layers (3 MoE) of 96 routed experts: 7.1 GB of packed INT4 experts (model 1: 31.2).
+SHAPE3 = {**SHAPE2, "layers": 4, "experts": 96}
 RECORDS = 64
+# chat-data: record lengths (tokens under the model's chat template) drawn uniformly from this range.
+CHAT_TOKENS = (100, 500)
 ANSWER_WORDS = 5200  # > 4,096 tokens under the fixture's tokenizer with the question: every sample is cut
 
 
@@ -99,10 +111,13 @@ def _best_of(fn: Any, reps: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def phase_host(_: argparse.Namespace) -> int:
+def phase_host(args: argparse.Namespace) -> int:
     """Memory read bandwidth (torch sum over 4 GiB), copy bandwidth (read + write counted) and CPU BF16
-    matmul throughput (oneDNN: AMX where the CPU has it), at 16 threads and fewer."""
+    matmul throughput (oneDNN: AMX where the CPU has it), at 16 threads and fewer (``--quick``: 16 only,
+    the 512-row expert shape only; saved as host-quick)."""
     import torch
+
+    quick = bool(getattr(args, "quick", False))
 
     doc: dict[str, Any] = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "mkldnn": torch.backends.mkldnn.is_available(), "nproc": os.cpu_count(),
@@ -124,7 +139,7 @@ def phase_host(_: argparse.Namespace) -> int:
     src = torch.empty(n, dtype=torch.float32).uniform_(-1, 1)
     dst = torch.empty_like(src)
     bandwidth: dict[str, Any] = {}
-    for threads in (16, 8, 4, 1):
+    for threads in (16,) if quick else (16, 8, 4, 1):
         torch.set_num_threads(threads)
         src.sum()  # warm
         best, med = _best_of(lambda: src.sum(), 5 if threads > 1 else 2)
@@ -143,9 +158,10 @@ def phase_host(_: argparse.Namespace) -> int:
     shapes = [(32, 7168, 2048), (128, 7168, 2048), (512, 7168, 2048), (2048, 7168, 2048), (512, 2048, 7168),
               (4096, 4096, 4096)]
     matmul: list[dict[str, Any]] = []
-    for threads in (16, 8, 4):
+    for threads in (16,) if quick else (16, 8, 4):
         torch.set_num_threads(threads)
-        for m, k, nn in shapes if threads == 16 else [(512, 7168, 2048), (4096, 4096, 4096)]:
+        few = [(512, 7168, 2048)] if quick else [(512, 7168, 2048), (4096, 4096, 4096)]
+        for m, k, nn in shapes if threads == 16 and not quick else few:
             sets = [(torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, nn, dtype=torch.bfloat16)) for _ in range(4)]
             for a, b in sets:
                 a @ b  # warm (oneDNN primitive creation)
@@ -169,7 +185,7 @@ def phase_host(_: argparse.Namespace) -> int:
     doc["bf16_matmul"] = {"how": "torch bf16 a @ b on the CPU (oneDNN), 4 input sets rotated, best and median",
                           "rel_error_vs_float64": rel, "rows": matmul}
     torch.set_num_threads(16)
-    save("host", doc)
+    save("host-quick" if quick else "host", doc)
     return 0
 
 
@@ -195,6 +211,56 @@ def phase_data(_: argparse.Namespace) -> int:
     DATA.parent.mkdir(parents=True, exist_ok=True)
     DATA.write_text("\n".join(lines) + "\n")
     print(f"data: {RECORDS} records, {DATA.stat().st_size} bytes -> {DATA}")
+    return 0
+
+
+def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """A record's tokens as training sees them (the model's chat template), as ktflow's planner counts them."""
+    from ktflow.planning.batch_shape import _tokens
+
+    return _tokens(messages, tokenizer)
+
+
+def phase_chat_data(args: argparse.Namespace) -> int:
+    """RECORDS multi-turn chat records whose lengths (tokens under ``--model``'s chat template) are drawn
+    uniformly from CHAT_TOKENS: 1-3 turns of a question and an answer, the last answer cut to the drawn
+    length at a word boundary. Seeded: the same records on every host with the same tokenizer."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(args.model).absolute()), trust_remote_code=True)
+    rng = random.Random(1)
+    lines, lengths = [], []
+    for _ in range(RECORDS):
+        target = rng.randint(*CHAT_TOKENS)
+        turns = rng.randint(1, 3)
+        messages: list[dict[str, str]] = []
+        for turn in range(turns):
+            question = f"{rng.choice(_OPENERS)} " + " ".join(_sentence(rng, 4, 10) for _ in range(rng.randint(1, 2)))
+            messages.append({"role": "user", "content": question})
+            words: list[str] = []
+            messages.append({"role": "assistant", "content": ""})
+            # grow this answer a sentence at a time; the last turn's answer stops at the drawn length
+            share = target if turn == turns - 1 else target * (turn + 1) // turns
+            while True:
+                words.extend(_sentence(rng, 6, 14).split())
+                messages[-1]["content"] = " ".join(words)
+                if _chat_tokens(tokenizer, messages) >= share:
+                    break
+        while len(words) > 1 and _chat_tokens(tokenizer, messages) > target:
+            words.pop()
+            messages[-1]["content"] = " ".join(words)
+        messages[-1]["content"] += " nya~"
+        lengths.append(_chat_tokens(tokenizer, messages))
+        lines.append(json.dumps({"messages": messages}))
+    CHAT_DATA.parent.mkdir(parents=True, exist_ok=True)
+    CHAT_DATA.write_text("\n".join(lines) + "\n")
+    doc = {"records": RECORDS, "target_tokens": CHAT_TOKENS, "lengths": lengths,
+           "mean": round(statistics.mean(lengths), 1), "min": min(lengths), "max": max(lengths),
+           "path": str(CHAT_DATA.relative_to(REPO)), "tokenizer": str(args.model)}
+    save("chat-data", doc)
+    print(f"chat-data: {RECORDS} records, tokens mean {doc['mean']} ({doc['min']}-{doc['max']}) -> {CHAT_DATA}")
     return 0
 
 
@@ -232,7 +298,10 @@ def ktflow_json(python: Path, *args: str, timeout: int = 180) -> dict[str, Any]:
                          f"{done.stdout[-1000:]}") from None
     if done.returncode != 0 and args[0] != "plan":
         raise SystemExit(f"ktflow {' '.join(args[:2])} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return {**doc, "exit_code": done.returncode} if args[0] == "plan" else doc
+    notes = [line for line in done.stderr.splitlines() if line.startswith("sft ")]  # e.g. the batch-shape line
+    if args[0] == "plan":
+        return {**doc, "exit_code": done.returncode}
+    return {**doc, "_stderr_notes": notes} if isinstance(doc, dict) else doc
 
 
 def run_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -243,8 +312,10 @@ def run_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     warmup = 1 if steps >= 4 else 0
     python = Path(args.python).absolute()
     model = Path(args.model).absolute()
+    recipe = Path(args.recipe).absolute()
+    data = Path(args.data).absolute()
     store = TP / "store"
-    sets = [f"source.local_path={model}", f"dataset.files=[{DATA}]", f"store.root={store}",
+    sets = [f"source.local_path={model}", f"dataset.files=[{data}]", f"store.root={store}",
             f"toolchains.train.python={python}", f"toolchains.serve.python={python}",
             f"sft.per_device_train_batch_size={batch}", f"sft.gradient_accumulation_steps={gas}",
             f"sft.cutoff_len={cutoff}", f"sft.kt_config.kt_model_max_length={cutoff}",
@@ -254,13 +325,24 @@ def run_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
                                         "cutoff_len": cutoff, "kt_num_threads": threads, "max_steps": steps,
                                         "tokens_per_microbatch_nominal": batch * cutoff,
                                         "microbatches_per_step": gas, "extra_sets": list(args.set or ())},
-                           "recipe": str(RECIPE.relative_to(REPO)), "sets": sets, "model": str(model)}
+                           "recipe": str(recipe.relative_to(REPO)), "sets": sets, "model": str(model),
+                           "data": str(data.relative_to(REPO))}
     doc["model_facts"] = expert_bytes(model)
     t0 = time.perf_counter()
-    plan = ktflow_json(python, "sft", str(RECIPE), "--dry-run", "--json", *[a for x in sets for a in ("--set", x)])
+    plan = ktflow_json(python, "sft", str(recipe), "--dry-run", "--json", *[a for x in sets for a in ("--set", x)])
+    doc["batch_shape"] = plan.pop("_stderr_notes", [])
+    trained = plan["train_config"]
+    if (trained["per_device_train_batch_size"], trained["gradient_accumulation_steps"]) != (batch, gas):
+        # ktflow sft shaped the split (sft.kt_shape_batches): the run trains what the plan says
+        doc["settings"].update(written_split=[batch, gas],
+                               per_device_train_batch_size=trained["per_device_train_batch_size"],
+                               gradient_accumulation_steps=trained["gradient_accumulation_steps"],
+                               microbatches_per_step=trained["gradient_accumulation_steps"],
+                               tokens_per_microbatch_nominal=trained["per_device_train_batch_size"] * cutoff)
+        batch, gas = trained["per_device_train_batch_size"], trained["gradient_accumulation_steps"]
     dataset_dir = Path(plan["train_config"]["dataset_dir"])
     if not dataset_dir.is_dir():
-        done = subprocess.run([str(python), str(KT_VS_HF), "_prepare_data", str(RECIPE), json.dumps(sets),
+        done = subprocess.run([str(python), str(KT_VS_HF), "_prepare_data", str(recipe), json.dumps(sets),
                                str(dataset_dir)], env=env(), cwd=REPO, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise SystemExit(f"_prepare_data failed:\n{done.stderr[-3000:]}")
@@ -307,7 +389,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     doc["log_tail"] = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in tail]
     shutil.rmtree(out / "output", ignore_errors=True)  # the adapter (fused expert LoRA: GBs with its state)
     try:
-        doc["plan"] = ktflow_json(python, "plan", str(RECIPE), "--json", *[a for x in sets for a in ("--set", x)],
+        doc["plan"] = ktflow_json(python, "plan", str(recipe), "--json", *[a for x in sets for a in ("--set", x)],
                                   timeout=120)
     except (SystemExit, subprocess.TimeoutExpired, ValueError) as exc:
         doc["plan"] = {"error": str(exc)[-1500:]}
@@ -330,20 +412,29 @@ def phase_run(args: argparse.Namespace) -> int:
 def phase_fixture2(args: argparse.Namespace) -> int:
     """The second shape, made here; the first model is deleted first (a 64 GiB disk holds one)."""
     shutil.rmtree(MODEL, ignore_errors=True)
-    shutil.rmtree(MODEL2, ignore_errors=True)
+    return _make_shape("fixture2", MODEL2, SHAPE2, args)
+
+
+def phase_fixture3(args: argparse.Namespace) -> int:
+    """The third shape (7.1 GB of experts), beside model 1 (34.4 GB): both fit the 64 GiB disk."""
+    return _make_shape("fixture3", MODEL3, SHAPE3, args)
+
+
+def _make_shape(name: str, model: Path, shape: dict[str, int], args: argparse.Namespace) -> int:
+    shutil.rmtree(model, ignore_errors=True)
     t = time.perf_counter()
     code = ("import sys, json\nfrom ktflow.fixtures.checkpoints import FixtureSpec, make_fixture\n"
             "from ktflow.fixtures.stream import MoeDims\n"
             "make_fixture(FixtureSpec(kind='kimi-k2.5', size='bigger-than-gpu'), sys.argv[1], "
             "dims=MoeDims(**json.loads(sys.argv[2])))\n")
-    done = subprocess.run([str(Path(args.python).absolute()), "-c", code, str(MODEL2), json.dumps(SHAPE2)], env=env(),
+    done = subprocess.run([str(Path(args.python).absolute()), "-c", code, str(model), json.dumps(shape)], env=env(),
                           cwd=REPO, capture_output=True, text=True)
-    doc = {"dims": SHAPE2, "rc": done.returncode, "wall_s": round(time.perf_counter() - t, 1),
+    doc = {"dims": shape, "rc": done.returncode, "wall_s": round(time.perf_counter() - t, 1),
            "stderr_tail": done.stderr[-2000:]}
     if done.returncode == 0:
-        doc["model_facts"] = expert_bytes(MODEL2)
-        doc["on_disk_gb"] = round(sum(p.stat().st_size for p in MODEL2.glob("*.safetensors")) / 1e9, 2)
-    save("fixture2", doc)
+        doc["model_facts"] = expert_bytes(model)
+        doc["on_disk_gb"] = round(sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9, 2)
+    save(name, doc)
     print(json.dumps({k: v for k, v in doc.items() if k != "stderr_tail"}), flush=True)
     return done.returncode
 
@@ -448,15 +539,19 @@ def phase_summary(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("phase", choices=("host", "data", "run", "fixture2", "summary"))
+    parser.add_argument("phase", choices=("host", "data", "chat-data", "run", "fixture2", "fixture3", "summary"))
     parser.add_argument("specs", nargs="*", help="run: NAME:BATCH:GAS:CUTOFF:THREADS:STEPS ...; summary: the results folder")
     parser.add_argument("--python", default=str(default_python()))
     parser.add_argument("--model", default=str(MODEL))
     parser.add_argument("--limit", type=int, default=480, help="a run's time limit (s): its children are killed then")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a further recipe override")
+    parser.add_argument("--recipe", default=str(RECIPE), help="the recipe the runs train (default: big-kt-rawint4)")
+    parser.add_argument("--data", default=str(DATA), help="the records (default: the long ones; chat-data's: "
+                        f"{CHAT_DATA.relative_to(REPO)})")
+    parser.add_argument("--quick", action="store_true", help="host: 16 threads and the expert shape only")
     args = parser.parse_args()
-    return {"host": phase_host, "data": phase_data, "run": phase_run, "fixture2": phase_fixture2,
-            "summary": phase_summary}[args.phase](args)
+    return {"host": phase_host, "data": phase_data, "chat-data": phase_chat_data, "run": phase_run,
+            "fixture2": phase_fixture2, "fixture3": phase_fixture3, "summary": phase_summary}[args.phase](args)
 
 
 if __name__ == "__main__":
