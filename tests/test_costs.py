@@ -17,6 +17,7 @@ from ktflow.recipe import Recipe, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+import kt_out_of_sample  # noqa: E402
 import kt_step_model  # noqa: E402
 
 GiB = 1 << 30
@@ -84,6 +85,36 @@ def test_the_fit_solver_recovers_known_constants() -> None:
     assert [round(c, 9) for c in kt_step_model.nnls(rows, y)] == truth
     # A constant the data would make negative is held at zero.
     assert kt_step_model.nnls([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [3.0, 2.0, 1.0])[1] == 0.0
+
+
+def test_the_out_of_sample_check_is_the_scripts_output_on_runs_the_fit_never_saw(fitted: dict) -> None:
+    """docs/benchmarks/kt-throughput/out-of-sample: runs made after the fit, predicted with the shipped
+    constants (nothing fitted); check.json is ``benchmarks/kt_out_of_sample.py``'s output on them."""
+    result = kt_out_of_sample.check()
+    committed = json.loads((kt_out_of_sample.DATA / "check.json").read_text())
+    assert committed == json.loads(json.dumps(result))
+    names = {r["run"] for r in result["runs"]}
+    assert not names & (set(fitted["fitted_on"]) | set(fitted["held_out"]))
+    # The planner's recorded prediction is the shipped model's: with the planner's tokens it is recomputed
+    # exactly (the run's plan was made on the host by the same constants).
+    for row in result["runs"]:
+        run = json.loads((kt_out_of_sample.DATA / f"{row['run']}.json").read_text())
+        stage = next(s for s in run["plan"]["stages"] if s["stage"] == "sft")
+        replay = dict(run, tokens_per_microbatch_measured=row["planner_tokens_per_micro_batch"])
+        assert kt_out_of_sample._estimate(replay, COSTS).step_s == pytest.approx(stage["step_seconds"], rel=2e-3)
+
+
+def test_the_shaping_comparison_trains_the_same_records_split_three_ways() -> None:
+    shaping = kt_out_of_sample.check()["shaping"]
+    runs = shaping["runs"]
+    assert {r["split"] for r in runs.values()} == {"1 x 8", "8 x 1", "4 x 2"}
+    # ktflow chose the shaped run's split (sft.kt_shape_batches), from the recipe as written (1 x 8)
+    assert runs["shaped"]["chosen_by"].startswith("sft batch shape 8 x 1")
+    # the 1 x 8 run pads nothing, so its tokens are the records' own; the others pad to the longest of a micro-batch
+    assert runs["written"]["padded_tokens_per_step"] == shaping["real_tokens_per_step"]
+    for name in ("shaped", "hand-4x2"):
+        assert all(p >= r for p, r in zip(runs[name]["padded_tokens_per_step"], shaping["real_tokens_per_step"]))
+        assert len(runs[name]["losses"]) == len(runs["written"]["losses"]) == 3
 
 
 # --------------------------------------------------------------------------- the model's structure
