@@ -176,6 +176,20 @@ def test_memory_grows_with_the_tokens_of_a_micro_batch(model1: ModelSize) -> Non
     assert recompute[0] == recompute[1]
 
 
+def test_bf16_experts_kept_twice_name_the_setting_that_keeps_one() -> None:
+    """The out-of-sample sweep's V2-Lite BF16 runs: kt_share_backward_bb false keeps a transposed copy
+    (64.2 GiB measured), true keeps one (38.4 GiB); the RAM line names the fix where it applies."""
+    runs, _ = kt_out_of_sample.load()
+    measured = {}
+    for name in ("v2l-base", "v2l-shareb"):
+        run = runs[name]
+        sft = load_recipe(REPO / run["recipe"], [s for s in run["sets"] if s.startswith("sft.")]).sft
+        measured[name] = estimate_kt_sft_memory(ModelSize(**run["plan"]["model"], linear_shapes={}), sft)
+    assert "kt_share_backward_bb: true keeps one" in measured["v2l-base"].rss_why
+    assert "kt_share_backward_bb" not in measured["v2l-shareb"].rss_why
+    assert measured["v2l-shareb"].rss_bytes < 0.7 * measured["v2l-base"].rss_bytes
+
+
 # --------------------------------------------------------------------------- micro-batch shaping
 
 
