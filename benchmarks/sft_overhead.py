@@ -31,8 +31,10 @@ What it does:
    exits 1, it would mean they did not train the same thing).
 3. Once, after the repetitions, a child replays the stage's own pre-launch and publish steps
    in-process with a timer per step (imports, recipe, host probe, digests, dataset preparation with
-   the model's chat template, rendering; then ``tool_versions`` alone and ``_publish_adapter`` on the
-   last run's LlamaFactory output, read only), on another fresh store; its start-up and shutdown
+   the model's chat template, rendering; then ``tool_versions`` alone and the SFT ``StageSpec``'s
+   post-training steps as ``ktflow.runner.run_stage`` runs them: the adapter's copy into staging,
+   ``SFT.verify``, ``SFT.manifest``, ``ktflow.store.publish_dir``, ``SFT.result``, on the last run's
+   LlamaFactory output, read only), on another fresh store; its start-up and shutdown
    come from CLOCK_MONOTONIC stamps taken in the child and around it: where pre-launch and post go.
 4. Prints host, the table (median wall [min-max]) and the tracked ratio stage/bare with its target
    "<= 1.05 plus a few seconds", read as: met when ratio <= 1.05 OR stage - bare <= 5 s (median
@@ -69,7 +71,7 @@ LF_CLI = REPO / ".venv-train" / "bin" / "llamafactory-cli"
 RECIPE = "recipes/tiny-demo.yaml"
 TARGET_RATIO, TARGET_SECONDS = 1.05, 5.0
 POLL_S = 0.02
-PUBLISH = "post: _publish_adapter (copy, summary, tool_versions, manifest, fsync)"
+PUBLISH = "post: publish (copy, verify, manifest + tool_versions, publish_dir)"
 SHUTDOWN = "post: python shutdown with torch + transformers loaded (until reaped)"
 TRAIN_PACKAGES = ("llamafactory", "torch", "transformers", "peft", "accelerate")
 
@@ -115,17 +117,21 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     t = lap("probe_host", t)
     import rich.progress  # noqa: F401
 
+    from ktflow.formats.adapter import ADAPTER_FILES
     from ktflow.host.process import tool_versions
-    from ktflow.stages.sft import _publish_adapter, dump_yaml, render_sft, run_key
+    from ktflow.stages.sft import dump_yaml, render_sft, run_dir_for, run_key
+    from ktflow.stages.sft.render import ADAPTER, LF_OUTPUT
+    from ktflow.stages.sft.stage import _TOOL_PACKAGES, SFT, SftRequest, _Job
     from ktflow.stages.weights import ensure_training_weights
-    from ktflow.store import atomic_write_bytes
+    from ktflow.store import atomic_write_bytes, publish_dir, staging_dir_for
 
     t = lap("import ktflow.stages.sft, ktflow.stages.weights, rich.progress", t)
     model_dir = ensure_training_weights(recipe).absolute()
     t = lap("ensure_training_weights (local bf16 source)", t)
     from ktflow.formats.checkpoint import checkpoint_digest
     from ktflow.formats.dataset import dataset_digest, prepare_dataset
-    from ktflow.planning.stage_plan import check_requirement, host_requirements
+    from ktflow.planning.stage_plan import host_requirements
+    from ktflow.resources import check_requirement
 
     check_requirement(host_requirements(recipe)["sft"], host)
     model_config = json.loads((model_dir / "config.json").read_text())
@@ -140,7 +146,7 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
                               template=recipe.sft.template, model_dir=model_dir)
     t = lap("prepare_dataset (tokenizer load, render, fsync, publish)", t)
     key = run_key(recipe, base_digest=base_digest, data_digest=data_digest)
-    run_dir = recipe.store.layout.run(key[:12]).absolute()
+    run_dir = run_dir_for(recipe, key).absolute()
     run_dir.mkdir(parents=True)
     plan = render_sft(recipe, model_dir=model_dir, dataset_dir=dataset.dataset_dir, output_dir=run_dir / "output",
                       config_dir=run_dir, train_python=recipe.toolchains.train.python.absolute(),
@@ -148,10 +154,20 @@ def job_prelaunch(overrides: list[str], trained: Path) -> dict[str, Any]:
     atomic_write_bytes(run_dir / "train.yaml", dump_yaml(plan.train_config).encode())
     t = lap("run key, render, write train.yaml", t)
     python = recipe.toolchains.train.python.absolute()
-    tool_versions(python, ("llamafactory", "transformers", "peft", "torch", "accelerate", "trl", "kt-kernel",
-                           "ktransformers"))
+    tool_versions(python, _TOOL_PACKAGES)
     t = lap("post: tool_versions alone (a python subprocess)", t)
-    _publish_adapter(recipe, run_dir, trained, python, base_digest, data_digest, key, None, t)
+    # The stage's job as SFT.prepare makes it, its LlamaFactory output the last run's (a link: read only).
+    (run_dir / LF_OUTPUT).symlink_to(trained, target_is_directory=True)
+    job = _Job(request=SftRequest(recipe=recipe, model_dir=model_dir, host=host), target=run_dir / ADAPTER,
+               lock_dir=run_dir, model_dir=model_dir, model_config=model_config, base_digest=base_digest,
+               data_digest=data_digest, key=key, run_dir=run_dir, python=python)
+    staging = staging_dir_for(job.target)
+    staging.mkdir(parents=True)
+    for name in ADAPTER_FILES:  # what SFT.work does once training returns
+        if (job.output_dir / name).is_file():
+            shutil.copy2(job.output_dir / name, staging / name)
+    SFT.verify(job, staging)  # then run_stage's steps after the work
+    SFT.result(job, publish_dir(staging, job.target, SFT.manifest(job), fsync=job.fsync))
     lap(PUBLISH, t)
     return {"steps": steps, "t_entry": T_ENTRY, "t_report": time.perf_counter()}
 
