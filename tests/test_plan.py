@@ -226,6 +226,59 @@ def test_auto_is_validated_with_its_kt_side(tmp_path: Path) -> None:
         load_recipe(REPO / "gpu_host/big-kt-rawint4.yaml", ["sft.backend=auto", "sft.lora_rank=16"])
 
 
+def test_an_auto_recipes_adapter_is_found_where_its_run_published_it(tmp_path: Path, fixture_dir) -> None:
+    """The run's identity is the resolved recipe's (``run_sft`` keys it so): ``run_adapter_dir`` and
+    ``locate_adapter`` resolve auto the same way, and a host that resolves it otherwise (or cannot)
+    finds the run through its manifest's ``written_key``."""
+    import sys
+
+    from ktflow.errors import InvalidInputError
+    from ktflow.formats.checkpoint import checkpoint_digest
+    from ktflow.formats.dataset import dataset_digest
+    from ktflow.stages.sft import locate_adapter, resolve_sft_recipe, run_adapter_dir, run_dir_for, run_key
+    from ktflow.stages.sft.stage import SFT, SftRequest, _Job
+    from ktflow.store import publish_dir, staging_dir_for
+
+    model = fixture_dir("bf16")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello nya~"}]}) + "\n")
+    recipe = load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", [
+        "sft.backend=auto", f"source.local_path={model}", f"dataset.files=[{data}]", f"store.root={tmp_path / 'store'}"])
+    resolved = resolve_sft_recipe(recipe, model, _h100())
+    assert resolved.recipe.sft.backend == "hf" and resolved.backend_reason
+    base = checkpoint_digest(model)
+    digest = dataset_digest(recipe.dataset, template=recipe.sft.template, model_dir=model)
+    key = run_key(resolved.recipe, base_digest=base, data_digest=digest)
+    adapter = run_adapter_dir(recipe, model, _h100())
+    assert adapter == (run_dir_for(resolved.recipe, key) / "adapter").absolute()
+    assert adapter != (run_dir_for(recipe, run_key(recipe, base_digest=base, data_digest=digest)) / "adapter").absolute()
+    with pytest.raises(InvalidInputError, match="has no trained adapter"):
+        locate_adapter(recipe, model, _h100())
+
+    # Publish there as the stage does (SFT.manifest, with the recipe as written beside the resolved one).
+    job = _Job(request=SftRequest(recipe=resolved.recipe, model_dir=model, host=_h100(), written=recipe),
+               target=adapter, lock_dir=adapter.parent, model_dir=model, model_config=None, base_digest=base,
+               data_digest=digest, key=key, run_dir=adapter.parent, python=Path(sys.executable))
+    (adapter.parent / "output").mkdir(parents=True)
+    (adapter.parent / "train.yaml").write_text("stage: sft\n")
+    staging = staging_dir_for(adapter)
+    staging.mkdir(parents=True)
+    (staging / "adapter_config.json").write_text("{}")
+    manifest = SFT.manifest(job)
+    assert manifest.settings["written_key"] == run_key(recipe, base_digest=base, data_digest=digest)
+    publish_dir(staging, adapter, manifest, fsync=False)
+
+    assert locate_adapter(recipe, model, _h100()) == adapter
+    # No GPU here: auto resolves otherwise or not at all; the published run is still found.
+    assert locate_adapter(recipe, model, _host()) == adapter
+    other = load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", [
+        "sft.backend=auto", "sft.lora_rank=4", f"source.local_path={model}", f"dataset.files=[{data}]",
+        f"store.root={tmp_path / 'store'}"])
+    with pytest.raises(InvalidInputError, match="has no trained adapter"):
+        locate_adapter(other, model, _host())
+
+
 def test_the_plan_shows_what_auto_chose() -> None:
     recipe = load_recipe(REPO / "benchmarks/recipes/v2-lite-hf.yaml", ["sft.backend=auto"])
     sft = next(s for s in plan_recipe(recipe, _h100(), size=_v2_lite(), model_source="test").stages

@@ -6,6 +6,7 @@ GPUs cannot hold before anything is downloaded or converted."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -161,6 +162,34 @@ def resolve_batch_shape(recipe: Recipe, model_dir: Path, host: HostInfo,
     if recipe.sft.backend != "kt" or not recipe.sft.kt_shape_batches:
         return None
     return shape_kt_batches(recipe, model_size(Path(model_dir)), host, lengths)
+
+
+@dataclass(frozen=True)
+class ResolvedSft:
+    """A recipe as :func:`~ktflow.stages.sft.run_sft` trains it on a host."""
+
+    recipe: Recipe  # ``auto`` resolved, KT's micro-batch split shaped where the recipe allows
+    backend_reason: str | None  # why ``auto`` chose its backend (None: the recipe named it)
+    batch_shape: str | None  # the KT split chosen (or that would be), and why
+
+
+def resolve_sft_recipe(recipe: Recipe, model_dir: Path, host: HostInfo) -> ResolvedSft:
+    """``recipe`` as it trains on ``host``: ``sft.backend: auto`` resolved (:func:`choose_sft_backend`)
+    and KT's split shaped (:func:`resolve_batch_shape`), from the records' token counts where a choice
+    depends on them. The run's identity (:func:`~ktflow.stages.sft.run_key`) is the resolved recipe's.
+
+    Raises:
+        HostRequirementError: ``auto`` finds neither backend can run on ``host``.
+        CheckpointError: ``model_dir``'s config or headers cannot be read.
+    """
+    lengths = dataset_lengths(recipe, Path(model_dir))
+    choice = resolve_auto_backend(recipe, Path(model_dir), host, lengths)
+    if choice is not None:
+        return ResolvedSft(recipe=choice.recipe, backend_reason=choice.reason, batch_shape=choice.batch_shape)
+    shape = resolve_batch_shape(recipe, Path(model_dir), host, lengths)
+    if shape is not None:
+        return ResolvedSft(recipe=shape.recipe, backend_reason=None, batch_shape=shape.reason)
+    return ResolvedSft(recipe=recipe, backend_reason=None, batch_shape=None)
 
 
 def dataset_lengths(recipe: Recipe, model_dir: Path) -> RecordLengths | None:

@@ -19,7 +19,7 @@ from ktflow.errors import InvalidInputError, KtflowError
 from ktflow.formats.adapter import ADAPTER_FILES
 from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint
 from ktflow.formats.dataset import dataset_digest, prepare_dataset, validate_dataset
-from ktflow.host.hardware import HostInfo
+from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.host.process import LogFollower, ThrottledLines, run_tool, tool_versions
 from ktflow.planning.sizing import (
     ModelSize,
@@ -31,7 +31,7 @@ from ktflow.planning.stage_plan import host_requirements
 from ktflow.recipe import Recipe
 from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed
 from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.stages.sft.auto import dataset_lengths, resolve_auto_backend, resolve_batch_shape
+from ktflow.stages.sft.auto import resolve_sft_recipe
 from ktflow.stages.sft.render import (
     ACCELERATE_YAML,
     ADAPTER,
@@ -105,29 +105,55 @@ def sft_needs(recipe: Recipe, size: ModelSize) -> Resources:
     )
 
 
-def run_adapter_dir(recipe: Recipe, model_dir: Path) -> Path:
+def run_adapter_dir(recipe: Recipe, model_dir: Path, host: HostInfo | None = None) -> Path:
     """Where this recipe's run on ``model_dir`` (same data and settings) publishes its adapter,
-    whether or not it has run."""
+    whether or not it has run. ``sft.backend: auto`` is resolved as :func:`run_sft` resolves it on
+    ``host`` (default: this host), since the run's identity is the resolved recipe's."""
     model_dir = model_dir.absolute()
+    if recipe.sft.backend == "auto":
+        recipe = resolve_sft_recipe(recipe, model_dir, host or probe_host()).recipe
+    base, data = _digests(recipe, model_dir)
+    return (run_dir_for(recipe, run_key(recipe, base_digest=base, data_digest=data)) / ADAPTER).absolute()
+
+
+def _digests(recipe: Recipe, model_dir: Path) -> tuple[str, str]:
     template_model = model_dir if recipe.sft.template == "empty" else None
     data = dataset_digest(recipe.dataset, template=recipe.sft.template, model_dir=template_model)
-    key = run_key(recipe, base_digest=checkpoint_digest(model_dir), data_digest=data)
-    return (run_dir_for(recipe, key) / ADAPTER).absolute()
+    return checkpoint_digest(model_dir), data
 
 
-def locate_adapter(recipe: Recipe, model_dir: Path) -> Path:
+def locate_adapter(recipe: Recipe, model_dir: Path, host: HostInfo | None = None) -> Path:
     """The published adapter of this recipe's run on ``model_dir`` (same data and settings).
+
+    An ``sft.backend: auto`` recipe is resolved on ``host`` (default: this host) first; where that
+    run is not here (another host trained it and resolved auto its own way, or this host cannot
+    resolve it: no GPU), the store's published runs of the recipe are searched for the one trained
+    from the recipe as written (its manifest's ``written_key``).
 
     Raises:
         InvalidInputError: the run has not completed (train it first with ``ktflow sft``).
     """
-    adapter = run_adapter_dir(recipe, model_dir)
-    if read_manifest(adapter) is None:
-        raise InvalidInputError(
-            f"recipe '{recipe.name}'", f"has no trained adapter for this base and data (looked in {adapter})",
-            "train it first: ktflow sft RECIPE (or ktflow run RECIPE)",
-        )
-    return adapter
+    model_dir = model_dir.absolute()
+    try:
+        adapter = run_adapter_dir(recipe, model_dir, host)
+    except KtflowError:
+        if recipe.sft.backend != "auto":
+            raise
+        adapter = None  # auto cannot resolve on this host: the search below still finds a run
+    if adapter is not None and read_manifest(adapter) is not None:
+        return adapter
+    if recipe.sft.backend == "auto":
+        base, data = _digests(recipe, model_dir)
+        written_key = run_key(recipe, base_digest=base, data_digest=data)
+        for candidate in sorted(recipe.store.layout.run(recipe.name).parent.glob(f"{recipe.name}-*/{ADAPTER}")):
+            manifest = read_manifest(candidate)
+            if manifest is not None and manifest.settings.get("written_key") == written_key:
+                return candidate.absolute()
+    raise InvalidInputError(
+        f"recipe '{recipe.name}'", f"has no trained adapter for this base and data (looked in "
+        f"{adapter or recipe.store.layout.run(recipe.name).parent})",
+        "train it first: ktflow sft RECIPE (or ktflow run RECIPE)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +168,7 @@ class SftRequest:
     timeout_s: float | None = None
     backend_reason: str | None = None  # why ``sft.backend: auto`` chose this backend
     batch_shape: str | None = None  # the KT micro-batch split chosen (or that would be), and why
+    written: Recipe | None = None  # the recipe as written, where ``sft.backend: auto`` resolved it
 
 
 @dataclass(kw_only=True)
@@ -258,7 +285,10 @@ def _manifest(job: _Job) -> StageManifest:
         stage="sft",
         inputs={"base": job.base_digest, "data": job.data_digest, "config": config_digest,
                 "base_fingerprint": checkpoint_fingerprint(job.request.model_dir)},
-        settings={"backend": recipe.sft.backend, "run_key": job.key},
+        settings={"backend": recipe.sft.backend, "run_key": job.key,
+                  # an auto recipe's run is found from the recipe as written on any host (locate_adapter)
+                  **({"written_key": run_key(job.request.written, base_digest=job.base_digest,
+                                             data_digest=job.data_digest)} if job.request.written else {})},
         # KT's forks are distributions of their own (llamafactory-kt, transformers-kt, ...) that import
         # under the upstream module names: a KT toolchain has no "transformers" distribution.
         tools=tool_versions(python, _TOOL_PACKAGES),
@@ -329,22 +359,15 @@ def run_sft(
         StorageError: the store filled up (or became read-only) while preparing or publishing.
         ToolError: LlamaFactory failed (its last lines are in the message; the run resumes on retry).
     """
-    lengths = dataset_lengths(recipe, Path(model_dir))
-    choice = resolve_auto_backend(recipe, Path(model_dir), host, lengths)
-    shape_reason = None
-    if choice is not None:
-        recipe, shape_reason = choice.recipe, choice.batch_shape
-        if log is not None:
-            log(f"sft.backend auto -> {choice.reason}")
-    else:
-        shape = resolve_batch_shape(recipe, Path(model_dir), host, lengths)
-        if shape is not None:
-            recipe, shape_reason = shape.recipe, shape.reason
-    if shape_reason and log is not None:
-        log(f"sft {shape_reason}")
-    request = SftRequest(recipe=recipe, model_dir=Path(model_dir), host=host, on_record=progress, log=log,
-                         timeout_s=timeout_s, backend_reason=choice.reason if choice else None,
-                         batch_shape=shape_reason)
+    resolved = resolve_sft_recipe(recipe, Path(model_dir), host)
+    if resolved.backend_reason and log is not None:
+        log(f"sft.backend auto -> {resolved.backend_reason}")
+    if resolved.batch_shape and log is not None:
+        log(f"sft {resolved.batch_shape}")
+    request = SftRequest(recipe=resolved.recipe, model_dir=Path(model_dir), host=host, on_record=progress, log=log,
+                         timeout_s=timeout_s, backend_reason=resolved.backend_reason,
+                         batch_shape=resolved.batch_shape,
+                         written=recipe if recipe.sft.backend != resolved.recipe.sft.backend else None)
     return run_stage(SFT, request, host=host)
 
 
