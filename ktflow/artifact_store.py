@@ -111,6 +111,38 @@ class ArtifactRef(BaseModel):
 Progress = Callable[[int, int], None]
 
 
+# paramiko's connect waits forever by default where a host accepts TCP and says nothing (a dead sshd, a
+# firewall that drops): each phase of an SFTP connection gets a limit, and every later read or write.
+SFTP_CONNECT_TIMEOUTS: dict[str, float] = {"timeout": 30.0, "banner_timeout": 30.0, "auth_timeout": 30.0}
+SFTP_IO_TIMEOUT_S = 120.0
+
+
+def known_hosts_policy(path: Path) -> Any:
+    """A paramiko host-key policy that accepts a server only if ``path`` (OpenSSH known_hosts format,
+    hashed entries included) lists the key it presents for its host (``[host]:port`` off port 22).
+
+    Raises:
+        ArtifactStoreError: ``path`` cannot be read.
+    """
+    import paramiko
+
+    try:
+        keys = paramiko.HostKeys(str(path))
+    except OSError as exc:
+        raise ArtifactStoreError(f"known_hosts {path}: {exc}; give the path of an OpenSSH known_hosts file "
+                                 "(ssh-keyscan -p PORT HOST >> FILE, after checking the key)") from exc
+
+    class KnownHostsOnly(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+            known = keys.lookup(hostname)
+            if known is None or known.get(key.get_name()) != key:
+                raise paramiko.SSHException(
+                    f"the {key.get_name()} host key {key.get_fingerprint().hex()} of {hostname} is not in {path} "
+                    "(add the server's key there after checking it, e.g. ssh-keyscan)")
+
+    return KnownHostsOnly()
+
+
 class ArtifactStore:
     """An fsspec filesystem under one URL, with atomic publication and verified fetches."""
 
@@ -118,11 +150,25 @@ class ArtifactStore:
         import fsspec.core
 
         self.url = check_artifact_url(url)
+        options = dict(storage_options or {})
+        # ktflow's own SFTP options (never passed to paramiko): the read/write limit, and a known_hosts
+        # file whose key the server must present (fsspec's default accepts any key on first use).
+        io_timeout = float(options.pop("io_timeout", SFTP_IO_TIMEOUT_S))
+        known_hosts = options.pop("known_hosts", None)
+        if self.url.startswith("sftp://"):
+            options = {**SFTP_CONNECT_TIMEOUTS, **options}  # the block's or caller's values win
+            if known_hosts:
+                options["host_key_policy"] = known_hosts_policy(Path(str(known_hosts)).expanduser())
         try:
-            self.fs, self._root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, self._root = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as exc:
             raise ArtifactStoreError(f"artifact store {self.url}: {exc} (install the fsspec backend it names "
                                      "in the orchestrator env)") from exc
+        except Exception as exc:  # refused, timed out, bad key: paramiko's and botocore's own types
+            raise self._fail("connecting", exc) from exc
+        channel = getattr(getattr(self.fs, "ftp", None), "get_channel", None)
+        if channel is not None:  # SFTP: a read or write that hears nothing for this long fails, not hangs
+            channel().settimeout(io_timeout)
         self._root = self._root.rstrip("/")
 
     def object_path(self, key: str, name: str = "") -> str:

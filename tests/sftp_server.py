@@ -46,6 +46,12 @@ class SftpServer:
     user: str
     home: Path
     client_key: Path
+    host_key: Path  # the server's private host key (its public half: ``host_key.pub``)
+
+    def known_hosts_line(self) -> str:
+        """The server's key as an OpenSSH known_hosts line (``[host]:port`` form)."""
+        kind, key = Path(f"{self.host_key}.pub").read_text().split()[:2]
+        return f"[{self.host}]:{self.port} {kind} {key}\n"
 
     def url(self, path: Path) -> str:
         """The sftp:// URL of the absolute ``path`` on this server."""
@@ -103,7 +109,8 @@ LogLevel ERROR
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"sshd did not start: {(root / 'sshd.log').read_text()[-2000:]}") from None
                 time.sleep(0.1)
-        yield SftpServer(host="127.0.0.1", port=port, user=user, home=Path(entry.pw_dir), client_key=client_key)
+        yield SftpServer(host="127.0.0.1", port=port, user=user, home=Path(entry.pw_dir), client_key=client_key,
+                         host_key=host_key)
     finally:
         proc.terminate()
         try:

@@ -232,3 +232,65 @@ def test_a_worker_gets_its_store_root_and_artifact_block_and_the_block_keeps_its
     assert "auto_mkdir" not in repr(block) and block.store().url == f"file://{tmp_path}/remote"
     with pytest.raises(RecipeError, match="password"):
         ArtifactStoreBlock(url="sftp://u:pw@h/x").store()
+
+
+def test_an_sftp_host_that_accepts_and_says_nothing_fails_in_bounded_time_naming_the_store() -> None:
+    """A dead sshd or a firewall that swallows the handshake: paramiko would wait forever by default."""
+    import socket
+    import threading
+
+    from ktflow.artifact_store import SFTP_CONNECT_TIMEOUTS
+    from ktflow.errors import ArtifactStoreError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    port = listener.getsockname()[1]
+    started = time.monotonic()
+    try:
+        with pytest.raises(ArtifactStoreError, match=rf"sftp://ktflow@127.0.0.1:{port}/srv: connecting failed"):
+            ArtifactStore(f"sftp://ktflow@127.0.0.1:{port}/srv", {"banner_timeout": 1.5, "timeout": 1.5})
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert time.monotonic() - started < 15
+    assert all(v > 0 for v in SFTP_CONNECT_TIMEOUTS.values()) and set(SFTP_CONNECT_TIMEOUTS) == {
+        "timeout", "banner_timeout", "auth_timeout"}
+
+
+def test_an_sftp_store_bounds_every_phase_and_every_read(sftp: SftpServer, tmp_path: Path) -> None:
+    from ktflow.artifact_store import SFTP_CONNECT_TIMEOUTS, SFTP_IO_TIMEOUT_S
+
+    (tmp_path / "remote").mkdir()
+    store = ArtifactStore(sftp.url(tmp_path / "remote"), sftp.options)
+    assert {k: store.fs.ssh_kwargs[k] for k in SFTP_CONNECT_TIMEOUTS} == SFTP_CONNECT_TIMEOUTS
+    assert store.fs.ftp.get_channel().gettimeout() == SFTP_IO_TIMEOUT_S
+    mine = ArtifactStore(sftp.url(tmp_path / "remote"), {**sftp.options, "timeout": 7.0, "io_timeout": 9.0})
+    assert mine.fs.ssh_kwargs["timeout"] == 7.0 and mine.fs.ftp.get_channel().gettimeout() == 9.0
+    assert "io_timeout" not in mine.fs.ssh_kwargs  # ktflow's own option never reaches paramiko
+
+
+def test_an_sftp_store_with_known_hosts_accepts_only_the_listed_server_key(sftp: SftpServer, tmp_path: Path) -> None:
+    """fsspec's SFTP trusts any key on first use; ``known_hosts`` in the storage options pins it."""
+    from ktflow.errors import ArtifactStoreError
+
+    (tmp_path / "remote").mkdir()
+    url = sftp.url(tmp_path / "remote")
+    known = tmp_path / "known_hosts"
+    known.write_text(sftp.known_hosts_line())
+    store = ArtifactStore(url, {**sftp.options, "known_hosts": str(known)})
+    assert store.transfer_manifest("runs/x/adapter") is None  # connected and listed
+
+    other = tmp_path / "other_known_hosts"  # another server's key under this host and port
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    kind, key = (tmp_path / "k.pub").read_text().split()[:2]
+    other.write_text(f"[{sftp.host}]:{sftp.port} {kind} {key}\n")
+    for path in (other, tmp_path / "empty"):
+        path.touch()
+        with pytest.raises(ArtifactStoreError, match=rf"connecting failed: SSHException: .* is not in {path}"):
+            ArtifactStore(url, {**sftp.options, "known_hosts": str(path), "timeout": 5.0})
+    with pytest.raises(ArtifactStoreError, match="known_hosts .*missing"):
+        ArtifactStore(url, {**sftp.options, "known_hosts": str(tmp_path / "missing")})
