@@ -38,6 +38,7 @@ from ktflow.host.hardware import probe_host
 from ktflow.host.worker import ARTIFACTS_BLOCK_ENV, HOST_NAME_ENV, POOL_ENV, STORE_ROOT_ENV, WORKER_ENV
 from ktflow.planning.stage_plan import StageName, StageSkipped, check_requirement, host_requirements
 from ktflow.recipe import Recipe, SourceConfig
+from ktflow.run_report import png_data_url
 from ktflow.stages.convert_lora import ConvertLoraResult
 from ktflow.stages.dequantize import DequantizeResult
 from ktflow.stages.download import DownloadResult
@@ -178,6 +179,8 @@ def sft_stage(recipe: Recipe, model_dir: str) -> SftResult:
     if artifacts is not None:
         _fetch_published_adapter(recipe, model, store, artifacts)
     result = sft_task(recipe, str(model))
+    if result.loss_curve is not None:  # travels with the result to the report, wherever that is written
+        result = result.model_copy(update={"loss_curve_png": png_data_url(result.loss_curve)})
     if artifacts is not None:
         ref = artifacts.publish(Path(result.adapter_dir), store.key(result.adapter_dir))
         get_run_logger().info("adapter published to the artifact store: %s (%d files, %d bytes)", ref.where(),

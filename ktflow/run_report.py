@@ -34,13 +34,14 @@ def png_data_url(path: Path, max_bytes: int = MAX_INLINE_IMAGE_BYTES) -> str | N
 
 
 def image_markdown(path: Path, title: str, alt: str, caption: str = "",
-                   max_bytes: int = MAX_INLINE_IMAGE_BYTES) -> str:
+                   max_bytes: int = MAX_INLINE_IMAGE_BYTES, data_url: str | None = None) -> str:
     """A markdown block showing the PNG at ``path`` inline (a data URL), with a title and caption.
 
-    When the image cannot be embedded (missing, not a PNG, too large), the block says so and
-    names the file, instead of a link the browser cannot open.
+    ``data_url``: the same image as it was read where ``path`` exists (another host), used when the
+    file is not here. When the image cannot be embedded (missing, not a PNG, too large), the block says
+    so and names the file, instead of a link the browser cannot open.
     """
-    url = png_data_url(path, max_bytes)
+    url = png_data_url(path, max_bytes) or (data_url if data_url and data_url.startswith("data:image/png;") else None)
     lines = [f"### {title}", ""]
     if url is None:
         lines.append(f"_{alt}: not embedded (missing, not a PNG, or over {max_bytes} bytes); file: `{path}`_")
@@ -88,6 +89,7 @@ def render_run_report(
     where: dict[str, dict],
     *,
     loss_curve: Path | None = None,
+    loss_curve_png: str | None = None,
     loss_caption: str = "",
     evaluation_table: str | None = None,
     evaluation_verdict: str = "",
@@ -100,7 +102,8 @@ def render_run_report(
 
     Sections: the stage table (what ran, what was skipped and why, what was a cache hit, where
     each stage ran), the training loss curve (embedded), the evaluation table base vs tuned, and
-    the endpoint. ``promotion``: the candidate's fate in one line ("promoted v2 (replaces v1)",
+    the endpoint. ``loss_curve_png``: the curve as read on the training host (embedded where
+    ``loss_curve`` is not on this host). ``promotion``: the candidate's fate in one line ("promoted v2 (replaces v1)",
     "candidate v2: not promoted (...); production stays v1"), shown first.
     """
     lines = [f"## ktflow pipeline: {name}", ""]
@@ -112,7 +115,8 @@ def render_run_report(
         lines.append("| " + " | ".join(_cell(row[k]) for k in REPORT_COLUMNS) + " |")
     lines.append("")
     if loss_curve is not None:
-        lines.append(image_markdown(loss_curve, "Training loss", "training loss", loss_caption, max_image_bytes))
+        lines.append(image_markdown(loss_curve, "Training loss", "training loss", loss_caption, max_image_bytes,
+                                    data_url=loss_curve_png))
     if evaluation_table:
         lines += ["### Evaluation: base vs tuned" + (" vs production" if "production" in evaluation_table.split("\n", 1)[0]
                                                     else ""), "", evaluation_table.strip(), ""]

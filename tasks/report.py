@@ -97,7 +97,8 @@ def publish_run_report(recipe: Any, rows: list[dict], *, trained: Any = None, ju
         models = f"models: {models}; backend {endpoint.backend}"
     markdown = render_run_report(
         recipe.name, rows, where,
-        loss_curve=getattr(trained, "loss_curve", None), loss_caption=loss_caption,
+        loss_curve=getattr(trained, "loss_curve", None), loss_curve_png=getattr(trained, "loss_curve_png", None),
+        loss_caption=loss_caption,
         evaluation_table=evaluation.table if evaluation is not None else None, evaluation_verdict=verdict,
         endpoint_url=endpoint.url if endpoint is not None else None, endpoint_models=models, promotion=promotion,
     )

@@ -40,6 +40,12 @@ def test_the_image_markdown_embeds_the_png_or_names_the_file_never_a_file_url(tm
     too_big = image_markdown(tmp_path / "loss.png", "Training loss", "training loss", max_bytes=10)
     assert "not embedded" in too_big and str(tmp_path / "loss.png") in too_big
     assert "file://" not in embedded + too_big and "](" not in too_big
+    # The training host's file is not here (two hosts): the curve read there is embedded instead.
+    url = png_data_url(tmp_path / "loss.png")
+    elsewhere = image_markdown(tmp_path / "gone/loss.png", "Training loss", "training loss", data_url=url)
+    assert f"![training loss]({url})" in elsewhere
+    for bad in (None, "data:text/html;base64,PHNjcmlwdD4=", "https://example.com/x.png"):
+        assert "not embedded" in image_markdown(tmp_path / "gone/loss.png", "T", "t", data_url=bad)
 
 
 def test_the_stage_table_says_what_ran_what_was_skipped_and_why_what_was_cached_and_where() -> None:

@@ -209,6 +209,11 @@ def test_the_pipeline_runs_across_two_hosts_that_share_only_the_artifact_store(t
     assert (serve / "registry/tiny-demo/production.json").is_file() and not (train / "registry").exists()
     text = json.dumps(summary)
     assert str(two_hosts.host(TRAIN)) not in text and str(two_hosts.host(SERVE)) not in text, text
+    # The run report is written on the serving host, where the training host's loss curve file is not:
+    # the curve travelled inside the SFT result and is embedded.
+    [report] = two_hosts.cluster.api("POST", "/artifacts/filter", {"artifacts": {  # type: ignore[misc]
+        "key": {"any_": ["pipeline-report"]}, "flow_run_id": {"any_": [run_id]}}})
+    assert "![training loss](data:image/png;base64," in report["data"], report["data"][:3000]
     # What crossed: the adapter (its transfer manifest written last) and Prefect's results.
     [published] = list(two_hosts.artifacts.glob("runs/*/adapter/transfer.json"))
     first_s = time.monotonic() - started

@@ -70,6 +70,9 @@ class SftResult(BaseModel):
     backend: str = ""  # the backend that trained it (``auto`` resolved)
     backend_reason: str | None = None  # why ``sft.backend: auto`` chose it
     batch_shape: str | None = None  # the KT micro-batch split trained (or a faster one it could have), and why
+    # The loss curve as a PNG data URL, attached by the SFT flow: the run report is written on the
+    # serving host, where the training host's file is not (hosts without a shared filesystem).
+    loss_curve_png: str | None = None
 
 
 # --------------------------------------------------------------------------- rendering
