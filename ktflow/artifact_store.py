@@ -157,6 +157,8 @@ class ArtifactStore:
         known_hosts = options.pop("known_hosts", None)
         if self.url.startswith("sftp://"):
             options = {**SFTP_CONNECT_TIMEOUTS, **options}  # the block's or caller's values win
+            # fsspec would hand a later store (a retry after a timeout) the same, possibly dead, connection
+            options["skip_instance_cache"] = True
             if known_hosts:
                 options["host_key_policy"] = known_hosts_policy(Path(str(known_hosts)).expanduser())
         try:

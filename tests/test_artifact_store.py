@@ -271,6 +271,9 @@ def test_an_sftp_store_bounds_every_phase_and_every_read(sftp: SftpServer, tmp_p
     mine = ArtifactStore(sftp.url(tmp_path / "remote"), {**sftp.options, "timeout": 7.0, "io_timeout": 9.0})
     assert mine.fs.ssh_kwargs["timeout"] == 7.0 and mine.fs.ftp.get_channel().gettimeout() == 9.0
     assert "io_timeout" not in mine.fs.ssh_kwargs  # ktflow's own option never reaches paramiko
+    # A new store is a new connection (a retry after a timeout must not inherit the dead one).
+    again = ArtifactStore(sftp.url(tmp_path / "remote"), sftp.options)
+    assert again.fs is not store.fs and again.fs.client is not store.fs.client
 
 
 def test_an_sftp_store_with_known_hosts_accepts_only_the_listed_server_key(sftp: SftpServer, tmp_path: Path) -> None:
