@@ -193,7 +193,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| split (effective batch 8) | chosen by | step s | real tokens/s | x written | GPU MiB | RSS GiB | "
               "loss steps 1-3 | max loss diff |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in shaping["runs"].items():
-        lines.append(f"| {r['split']} ({name}) | {r['chosen_by'][:60]} | {r['step_s']} | {r['real_tokens_per_s']} | "
+        chosen = ("ktflow (sft.kt_shape_batches)" if r["chosen_by"].startswith("sft batch shape")
+                  else "the recipe as written" if name == "written" else "by hand")
+        lines.append(f"| {r['split']} ({name}) | {chosen} | {r['step_s']} | {r['real_tokens_per_s']} | "
                      f"{r['speedup_vs_written']} | {r['gpu_mib']:,} | {r['rss_gib']} | "
                      f"{', '.join(f'{x:.3f}' for x in r['losses'])} | {r['max_loss_diff_vs_written']} |")
     lines += ["", "| setting (V2-Lite BF16, 4 x 256) | step s (base) | x | RSS GiB (base) | x | "
