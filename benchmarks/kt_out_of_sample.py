@@ -121,10 +121,15 @@ def _planner_tokens(stage: dict[str, Any]) -> float:
     return float(words[-1].replace(",", ""))
 
 
+def _per_step(cumulative: list[int]) -> list[int]:
+    """Each step's tokens from the trainer log's running ``total_tokens``."""
+    return [b - a for a, b in zip([0, *cumulative], cumulative)]
+
+
 def shaping(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Item 3: one effective batch of 8 records split three ways, same records in the same order."""
     written = runs["written"]
-    real = [b - a for a, b in zip([0, *written["tokens_logged"]], written["tokens_logged"])]  # 1 x 8: no padding
+    real = _per_step(written["tokens_logged"])  # 1 x 8: no padding
     first, last = written["steady_steps"]
     steady_real = statistics.mean(real[first - 1:last])
     rows = {}
@@ -133,7 +138,7 @@ def shaping(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         rows[name] = {"split": f"{run['settings']['per_device_train_batch_size']} x "
                                f"{run['settings']['gradient_accumulation_steps']}",
                       "step_s": run["steady_step_s"], "real_tokens_per_s": round(steady_real / run["steady_step_s"], 1),
-                      "padded_tokens_per_step": [b - a for a, b in zip([0, *run["tokens_logged"]], run["tokens_logged"])],
+                      "padded_tokens_per_step": _per_step(run["tokens_logged"]),
                       "gpu_mib": run["peak_gpu_mib"], "rss_gib": run["peak_host_rss_gib"], "losses": run["losses"],
                       "chosen_by": "; ".join(run.get("batch_shape") or []) or "the recipe (--set)"}
     base = rows["written"]

@@ -117,7 +117,7 @@ def phase_host(args: argparse.Namespace) -> int:
     the 512-row expert shape only; saved as host-quick)."""
     import torch
 
-    quick = bool(getattr(args, "quick", False))
+    quick = args.quick
 
     doc: dict[str, Any] = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                            "mkldnn": torch.backends.mkldnn.is_available(), "nproc": os.cpu_count(),
@@ -214,13 +214,6 @@ def phase_data(_: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
-    """A record's tokens as training sees them (the model's chat template), as ktflow's planner counts them."""
-    from ktflow.planning.batch_shape import _tokens
-
-    return _tokens(messages, tokenizer)
-
-
 def phase_chat_data(args: argparse.Namespace) -> int:
     """RECORDS multi-turn chat records whose lengths (tokens under ``--model``'s chat template) are drawn
     uniformly from CHAT_TOKENS: 1-3 turns of a question and an answer, the last answer cut to the drawn
@@ -228,6 +221,8 @@ def phase_chat_data(args: argparse.Namespace) -> int:
     import random
 
     from transformers import AutoTokenizer
+
+    from ktflow.planning.batch_shape import _tokens  # a record's tokens as ktflow's planner counts them
 
     tokenizer = AutoTokenizer.from_pretrained(str(Path(args.model).absolute()), trust_remote_code=True)
     rng = random.Random(1)
@@ -246,13 +241,13 @@ def phase_chat_data(args: argparse.Namespace) -> int:
             while True:
                 words.extend(_sentence(rng, 6, 14).split())
                 messages[-1]["content"] = " ".join(words)
-                if _chat_tokens(tokenizer, messages) >= share:
+                if _tokens(messages, tokenizer) >= share:
                     break
-        while len(words) > 1 and _chat_tokens(tokenizer, messages) > target:
+        while len(words) > 1 and _tokens(messages, tokenizer) > target:
             words.pop()
             messages[-1]["content"] = " ".join(words)
         messages[-1]["content"] += " nya~"
-        lengths.append(_chat_tokens(tokenizer, messages))
+        lengths.append(_tokens(messages, tokenizer))
         lines.append(json.dumps({"messages": messages}))
     CHAT_DATA.parent.mkdir(parents=True, exist_ok=True)
     CHAT_DATA.write_text("\n".join(lines) + "\n")

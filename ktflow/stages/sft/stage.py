@@ -110,16 +110,20 @@ def run_adapter_dir(recipe: Recipe, model_dir: Path, host: HostInfo | None = Non
     whether or not it has run. ``sft.backend: auto`` is resolved as :func:`run_sft` resolves it on
     ``host`` (default: this host), since the run's identity is the resolved recipe's."""
     model_dir = model_dir.absolute()
-    if recipe.sft.backend == "auto":
-        recipe = resolve_sft_recipe(recipe, model_dir, host or probe_host()).recipe
-    base, data = _digests(recipe, model_dir)
-    return (run_dir_for(recipe, run_key(recipe, base_digest=base, data_digest=data)) / ADAPTER).absolute()
+    return _adapter_dir(recipe, model_dir, host, *_digests(recipe, model_dir))
 
 
 def _digests(recipe: Recipe, model_dir: Path) -> tuple[str, str]:
+    """The base's and the data's digests (``auto``'s resolution changes neither)."""
     template_model = model_dir if recipe.sft.template == "empty" else None
     data = dataset_digest(recipe.dataset, template=recipe.sft.template, model_dir=template_model)
     return checkpoint_digest(model_dir), data
+
+
+def _adapter_dir(recipe: Recipe, model_dir: Path, host: HostInfo | None, base: str, data: str) -> Path:
+    if recipe.sft.backend == "auto":
+        recipe = resolve_sft_recipe(recipe, model_dir, host or probe_host()).recipe
+    return (run_dir_for(recipe, run_key(recipe, base_digest=base, data_digest=data)) / ADAPTER).absolute()
 
 
 def locate_adapter(recipe: Recipe, model_dir: Path, host: HostInfo | None = None) -> Path:
@@ -134,8 +138,9 @@ def locate_adapter(recipe: Recipe, model_dir: Path, host: HostInfo | None = None
         InvalidInputError: the run has not completed (train it first with ``ktflow sft``).
     """
     model_dir = model_dir.absolute()
+    base, data = _digests(recipe, model_dir)
     try:
-        adapter = run_adapter_dir(recipe, model_dir, host)
+        adapter = _adapter_dir(recipe, model_dir, host, base, data)
     except KtflowError:
         if recipe.sft.backend != "auto":
             raise
@@ -143,7 +148,6 @@ def locate_adapter(recipe: Recipe, model_dir: Path, host: HostInfo | None = None
     if adapter is not None and read_manifest(adapter) is not None:
         return adapter
     if recipe.sft.backend == "auto":
-        base, data = _digests(recipe, model_dir)
         written_key = run_key(recipe, base_digest=base, data_digest=data)
         for candidate in sorted(recipe.store.layout.run(recipe.name).parent.glob(f"{recipe.name}-*/{ADAPTER}")):
             manifest = read_manifest(candidate)
@@ -367,7 +371,7 @@ def run_sft(
     request = SftRequest(recipe=resolved.recipe, model_dir=Path(model_dir), host=host, on_record=progress, log=log,
                          timeout_s=timeout_s, backend_reason=resolved.backend_reason,
                          batch_shape=resolved.batch_shape,
-                         written=recipe if recipe.sft.backend != resolved.recipe.sft.backend else None)
+                         written=recipe if recipe.sft.backend == "auto" else None)
     return run_stage(SFT, request, host=host)
 
 
