@@ -12,6 +12,7 @@ repository root after ``bash gpu_host/run.sh setup fixture-big`` (the bigger-tha
     $PY gpu_host/throughput.py fixture3                # a third shape, a quarter of the expert bytes (beside model 1)
     $PY gpu_host/throughput.py chat-data               # multi-turn records of ~100-500 tokens (issue item 3)
     $PY gpu_host/throughput.py host --quick            # the host's limits at 16 threads only (~15 s)
+    $PY gpu_host/throughput.py calibrate A B ...       # runs through ``ktflow sft``: each planned with the earlier
 
 A run ``NAME:B:G:C:T:S`` trains gpu_host/big-kt-rawint4.yaml with per_device_train_batch_size B,
 gradient_accumulation_steps G, cutoff_len C (every record is longer than 4,096 tokens, so each sample is
@@ -299,6 +300,18 @@ def ktflow_json(python: Path, *args: str, timeout: int = 180) -> dict[str, Any]:
     return {**doc, "_stderr_notes": notes} if isinstance(doc, dict) else doc
 
 
+def run_sets(spec: str, args: argparse.Namespace, store: Path) -> list[str]:
+    """The recipe overrides of a run ``NAME:B:G:C:T:S`` (see the module's docstring)."""
+    _, batch, gas, cutoff, threads, steps = spec.split(":")
+    python = Path(args.python).absolute()
+    return [f"source.local_path={Path(args.model).absolute()}", f"dataset.files=[{Path(args.data).absolute()}]",
+            f"store.root={store}", f"toolchains.train.python={python}", f"toolchains.serve.python={python}",
+            f"sft.per_device_train_batch_size={batch}", f"sft.gradient_accumulation_steps={gas}",
+            f"sft.cutoff_len={cutoff}", f"sft.kt_config.kt_model_max_length={cutoff}",
+            f"sft.kt_config.kt_num_threads={threads}", f"sft.max_steps={steps}", "sft.save_steps=1000",
+            *(args.set or ())]
+
+
 def run_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
@@ -310,12 +323,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     recipe = Path(args.recipe).absolute()
     data = Path(args.data).absolute()
     store = TP / "store"
-    sets = [f"source.local_path={model}", f"dataset.files=[{data}]", f"store.root={store}",
-            f"toolchains.train.python={python}", f"toolchains.serve.python={python}",
-            f"sft.per_device_train_batch_size={batch}", f"sft.gradient_accumulation_steps={gas}",
-            f"sft.cutoff_len={cutoff}", f"sft.kt_config.kt_model_max_length={cutoff}",
-            f"sft.kt_config.kt_num_threads={threads}", f"sft.max_steps={steps}", "sft.save_steps=1000",
-            *(args.set or ())]
+    sets = run_sets(spec, args, store)
     doc: dict[str, Any] = {"settings": {"per_device_train_batch_size": batch, "gradient_accumulation_steps": gas,
                                         "cutoff_len": cutoff, "kt_num_threads": threads, "max_steps": steps,
                                         "tokens_per_microbatch_nominal": batch * cutoff,
@@ -401,6 +409,45 @@ def phase_run(args: argparse.Namespace) -> int:
     for spec in args.specs:
         doc = run_one(spec, args)
         status |= doc.get("outcome") != "trained"
+    return status
+
+
+def phase_calibrate(args: argparse.Namespace) -> int:
+    """The per-host calibration end to end, through ``ktflow sft`` itself (ktflow/planning/host_speed.py):
+    each run ``NAME:B:G:C:T:S`` in turn is first planned (``ktflow plan --json``: the step it predicts, and
+    on what basis), then trained by the real SFT stage in one store, whose manifest records the steady
+    step measured and the shipped model's prediction. The first run is planned uncalibrated; each later
+    one is planned with what the earlier runs on this host recorded. Saved as ``calibrate.json``."""
+    python = Path(args.python).absolute()
+    recipe = str(Path(args.recipe).absolute())
+    store = TP / "cal-store"
+    shutil.rmtree(store, ignore_errors=True)
+    doc: dict[str, Any] = {"recipe": str(Path(recipe).relative_to(REPO)), "runs": []}
+    status = 0
+    for spec in args.specs:
+        sets = [a for x in run_sets(spec, args, store) for a in ("--set", x)]
+        plan = ktflow_json(python, "plan", recipe, "--json", *sets, timeout=180)
+        line = next(st for st in plan["stages"] if st["stage"] == "sft")
+        before = {p.parent for p in store.glob("runs/*/adapter/manifest.json")}
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run([str(python), "-m", "ktflow.cli", "sft", recipe, *sets], env=env(), cwd=REPO,
+                                  capture_output=True, text=True, timeout=args.limit)
+            rc, out, err = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, out, err = 124, str(exc.stdout or ""), str(exc.stderr or "")
+        new = sorted({p.parent for p in store.glob("runs/*/adapter/manifest.json")} - before)
+        manifest = json.loads((new[0] / "manifest.json").read_text()) if new else {}
+        run = {"name": spec.split(":")[0], "spec": spec, "planned_step_s": line.get("step_seconds"),
+               "plan_basis": line.get("time_basis"), "rc": rc, "wall_s": round(time.perf_counter() - t0, 1),
+               "kt_step": manifest.get("extra", {}).get("kt_step"), "adapter": str(new[0]) if new else None,
+               "stdout_tail": out[-1500:], "stderr_tail": err[-3000:]}
+        if run["kt_step"] and run["planned_step_s"]:
+            run["planned_residual"] = round(run["planned_step_s"] / run["kt_step"]["measured_step_s"] - 1, 4)
+        doc["runs"].append(run)
+        save("calibrate", doc)
+        print(json.dumps({k: run[k] for k in ("name", "rc", "wall_s", "planned_step_s", "kt_step")}), flush=True)
+        status |= rc != 0
     return status
 
 
@@ -534,7 +581,8 @@ def phase_summary(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("phase", choices=("host", "data", "chat-data", "run", "fixture2", "fixture3", "summary"))
+    parser.add_argument("phase", choices=("host", "data", "chat-data", "run", "calibrate", "fixture2", "fixture3",
+                                          "summary"))
     parser.add_argument("specs", nargs="*", help="run: NAME:BATCH:GAS:CUTOFF:THREADS:STEPS ...; summary: the results folder")
     parser.add_argument("--python", default=str(default_python()))
     parser.add_argument("--model", default=str(MODEL))
@@ -546,7 +594,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="host: 16 threads and the expert shape only")
     args = parser.parse_args()
     return {"host": phase_host, "data": phase_data, "chat-data": phase_chat_data, "run": phase_run,
-            "fixture2": phase_fixture2, "fixture3": phase_fixture3, "summary": phase_summary}[args.phase](args)
+            "calibrate": phase_calibrate, "fixture2": phase_fixture2, "fixture3": phase_fixture3,
+            "summary": phase_summary}[args.phase](args)
 
 
 if __name__ == "__main__":

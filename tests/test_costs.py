@@ -88,33 +88,44 @@ def test_the_fit_solver_recovers_known_constants() -> None:
 
 
 def test_the_out_of_sample_check_is_the_scripts_output_on_runs_the_fit_never_saw(fitted: dict) -> None:
-    """docs/benchmarks/kt-throughput/out-of-sample: runs made after the fit, predicted with the shipped
-    constants (nothing fitted); check.json is ``benchmarks/kt_out_of_sample.py``'s output on them."""
+    """docs/benchmarks/kt-throughput/out-of-sample*: runs made after the fit on three device machines,
+    predicted with the shipped constants (nothing fitted); the committed check is
+    ``benchmarks/kt_out_of_sample.py``'s output on them."""
     result = kt_out_of_sample.check()
-    committed = json.loads((kt_out_of_sample.DATA / "check.json").read_text())
+    committed = json.loads(kt_out_of_sample.CHECK.read_text())
     assert committed == json.loads(json.dumps(result))
-    names = {r["run"] for r in result["runs"]}
-    assert not names & (set(fitted["fitted_on"]) | set(fitted["held_out"]))
-    # The planner's recorded prediction is the shipped model's: with the planner's tokens it is recomputed
-    # exactly (the run's plan was made on the host by the same constants).
-    for row in result["runs"]:
-        run = json.loads((kt_out_of_sample.DATA / f"{row['run']}.json").read_text())
-        stage = next(s for s in run["plan"]["stages"] if s["stage"] == "sft")
-        replay = dict(run, tokens_per_microbatch_measured=row["planner_tokens_per_micro_batch"])
-        assert kt_out_of_sample._estimate(replay, COSTS).step_s == pytest.approx(stage["step_seconds"], rel=2e-3)
+    assert len(result["machines"]) == 3
+    for machine in result["machines"]:
+        names = {r["run"] for r in machine["runs"]}
+        assert not names & (set(fitted["fitted_on"]) | set(fitted["held_out"]))
+        # The planner's recorded prediction is the shipped model's: with the planner's tokens it is recomputed
+        # exactly (the run's plan was made on the host by the same constants).
+        for row in machine["runs"]:
+            run = json.loads((kt_out_of_sample.KT / machine["folder"] / f"{row['run']}.json").read_text())
+            stage = next(s for s in run["plan"]["stages"] if s["stage"] == "sft")
+            replay = dict(run, tokens_per_microbatch_measured=row["planner_tokens_per_micro_batch"])
+            assert kt_out_of_sample._estimate(replay, COSTS).step_s == pytest.approx(stage["step_seconds"], rel=2e-3)
+            # a calibrated prediction uses only other runs of the same machine, format, threads and pools
+            assert row["run"] not in row["calibrated_by"]
+            assert set(row["calibrated_by"]) <= set(row["peers"])
 
 
 def test_the_shaping_comparison_trains_the_same_records_split_three_ways() -> None:
-    shaping = kt_out_of_sample.check()["shaping"]
-    runs = shaping["runs"]
-    assert {r["split"] for r in runs.values()} == {"1 x 8", "8 x 1", "4 x 2"}
-    # ktflow chose the shaped run's split (sft.kt_shape_batches), from the recipe as written (1 x 8)
-    assert runs["shaped"]["chosen_by"].startswith("sft batch shape 8 x 1")
-    # the 1 x 8 run pads nothing, so its tokens are the records' own; the others pad to the longest of a micro-batch
-    assert runs["written"]["padded_tokens_per_step"] == shaping["real_tokens_per_step"]
-    for name in ("shaped", "hand-4x2"):
-        assert all(p >= r for p, r in zip(runs[name]["padded_tokens_per_step"], shaping["real_tokens_per_step"]))
-        assert len(runs[name]["losses"]) == len(runs["written"]["losses"]) == 3
+    for machine in kt_out_of_sample.MACHINES:
+        if machine.splits is None:
+            continue
+        written, shaped, hand = machine.splits
+        runs_, _ = kt_out_of_sample.load(machine.path)
+        shaping = kt_out_of_sample.shaping(runs_, machine.splits)
+        runs = shaping["runs"]
+        assert [runs[n]["split"] for n in machine.splits] == ["1 x 8", "8 x 1", "4 x 2"]
+        # ktflow chose the shaped run's split (sft.kt_shape_batches), from the recipe as written (1 x 8)
+        assert runs[shaped]["chosen_by"].startswith("sft batch shape 8 x 1")
+        # the 1 x 8 run pads nothing, so its tokens are the records' own; the others pad to the longest of a batch
+        assert runs[written]["padded_tokens_per_step"] == shaping["real_tokens_per_step"]
+        for name in (shaped, hand):
+            assert all(p >= r for p, r in zip(runs[name]["padded_tokens_per_step"], shaping["real_tokens_per_step"]))
+            assert len(runs[name]["losses"]) == len(runs[written]["losses"]) == 3
 
 
 # --------------------------------------------------------------------------- the model's structure
@@ -179,7 +190,7 @@ def test_memory_grows_with_the_tokens_of_a_micro_batch(model1: ModelSize) -> Non
 def test_bf16_experts_kept_twice_name_the_setting_that_keeps_one() -> None:
     """The out-of-sample sweep's V2-Lite BF16 runs: kt_share_backward_bb false keeps a transposed copy
     (64.2 GiB measured), true keeps one (38.4 GiB); the RAM line names the fix where it applies."""
-    runs, _ = kt_out_of_sample.load()
+    runs, _ = kt_out_of_sample.load(kt_out_of_sample.MACHINES[0].path)
     measured = {}
     for name in ("v2l-base", "v2l-shareb"):
         run = runs[name]

@@ -85,6 +85,9 @@ class CostModel(BaseModel):
     # reads BF16 experts at 0.14 GB/s per core (2-core box: 1.61 GB in 5.65 s); README's figures.
     dequantize_bytes_per_s: float = 2.5e9
     quantize_bytes_per_core_s: float = 0.14e9
+    # KT's whole step on the host planned for, relative to the machine of the fit: 1 as shipped;
+    # what the host's own runs measured where it has some (ktflow.planning.host_speed).
+    kt_host_factor: float = 1.0
 
 
 COSTS = CostModel()
@@ -176,9 +179,10 @@ def kt_step_estimate(size: ModelSize, sft: SftConfig, threads: int, costs: CostM
         passes = 4 if sft.disable_gradient_checkpointing else 6
         non_expert_matmul = size.non_expert_parameters - size.vocab_size * size.hidden_size
         gpu = costs.kt_gpu_base_s + passes * non_expert_matmul * tokens / costs.kt_matmul_flops_per_s
-    kt_forward = micro_batches * layers * forward
-    kt_backward = micro_batches * layers * backward
-    gpu_s = micro_batches * gpu + costs.kt_optimizer_step_s
+    scale = costs.kt_host_factor
+    kt_forward = scale * micro_batches * layers * forward
+    kt_backward = scale * micro_batches * layers * backward
+    gpu_s = scale * (micro_batches * gpu + costs.kt_optimizer_step_s)
     return KtStepEstimate(
         step_s=kt_forward + kt_backward + gpu_s, kt_forward_s=kt_forward, kt_backward_s=kt_backward, gpu_s=gpu_s,
         tokens_per_micro_batch=tokens, micro_batches=micro_batches, threads=threads, pools=pools,

@@ -32,6 +32,7 @@ from ktflow.host.hardware import HostInfo
 from ktflow.host.pools import WORK_POOLS, pool_for_stage
 from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_batches, tokens_basis, tokens_per_micro_batch
 from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate
+from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
@@ -264,7 +265,9 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
             return None, None
         recipe, chosen, shaped = choice.recipe, f"auto -> {choice.reason}. ", choice.batch_shape or ""
     elif recipe.sft.backend == "kt":
-        shape = shape_kt_batches(recipe, size, host, lengths, costs)
+        threads = (recipe.sft.kt_config.kt_num_threads if recipe.sft.kt_config else None) or host.physical_cores
+        here = calibrated_costs(recipe, host.hostname, threads, tokens_per_micro_batch(recipe.sft, lengths), costs)[0]
+        shape = shape_kt_batches(recipe, size, host, lengths, here)
         recipe, shaped = shape.recipe, shape.reason
     sft = recipe.sft
     needs = sft_needs(recipe, size)
@@ -274,13 +277,15 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
     tokens = tokens_per_micro_batch(sft, lengths)
     if sft.backend == "kt":
         threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
-        estimate = kt_step_estimate(size, sft, threads, costs, tokens)
+        here, speed = calibrated_costs(recipe, host.hostname, threads, tokens, costs)
+        estimate = kt_step_estimate(size, sft, threads, here, tokens)
         step = estimate.step_s
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
+        calibration = speed.basis if speed is not None else UNCALIBRATED
         basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
                  f"{sft.per_device_train_batch_size} x {sft.gradient_accumulation_steps} micro-batches, "
                  f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
-                 "model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput)")
+                 f"model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput; {calibration})")
     elif sft.backend == "hf" and sft.gpus > 0:
         step = hf_step_seconds(size, sft, costs, tokens_per_step=round(tokens * sft.gradient_accumulation_steps))
         load = costs.hf_load_s + costs.hf_load_s_per_gb * gb

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from ktflow.errors import HostRequirementError, InvalidInputError
 from ktflow.host.hardware import HostInfo
 from ktflow.planning.batch_shape import RecordLengths, ShapeChoice, record_lengths, shape_kt_batches, tokens_per_micro_batch
+from ktflow.planning.host_speed import calibrated_costs
 from ktflow.planning.sizing import (
     HF_DOES_NOT_FIT_FIX,
     ModelSize,
@@ -101,9 +102,11 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
     shape: ShapeChoice | None = None
     t_kt = None
     if not kt_problems:
-        shape = shape_kt_batches(kt_recipe, size, host, lengths)
+        # this host's own KT runs, where it has some
+        here, _ = calibrated_costs(kt_recipe, host.hostname, threads, tokens_per_micro_batch(kt_recipe.sft, lengths))
+        shape = shape_kt_batches(kt_recipe, size, host, lengths, here)
         kt_recipe = shape.recipe
-        t_kt = kt_step_seconds(size, kt_recipe.sft, threads, tokens_per_micro_batch=tokens_per_micro_batch(
+        t_kt = kt_step_seconds(size, kt_recipe.sft, threads, here, tokens_per_micro_batch=tokens_per_micro_batch(
             kt_recipe.sft, lengths))
     hf_tokens = None if lengths is None else round(
         tokens_per_micro_batch(hf_recipe.sft, lengths) * hf_recipe.sft.gradient_accumulation_steps)
@@ -161,7 +164,9 @@ def resolve_batch_shape(recipe: Recipe, model_dir: Path, host: HostInfo,
     (``sft.kt_shape_batches: true``) on the model in ``model_dir``; None for any other recipe."""
     if recipe.sft.backend != "kt" or not recipe.sft.kt_shape_batches:
         return None
-    return shape_kt_batches(recipe, model_size(Path(model_dir)), host, lengths)
+    threads = (recipe.sft.kt_config.kt_num_threads if recipe.sft.kt_config else None) or host.physical_cores
+    here, _ = calibrated_costs(recipe, host.hostname, threads, tokens_per_micro_batch(recipe.sft, lengths))
+    return shape_kt_batches(recipe, model_size(Path(model_dir)), host, lengths, here)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint
 from ktflow.formats.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.host.process import LogFollower, ThrottledLines, run_tool, tool_versions
+from ktflow.planning.host_speed import kt_step_record
 from ktflow.planning.sizing import (
     ModelSize,
     hf_sft_gpu_need,
@@ -300,8 +301,19 @@ def _manifest(job: _Job) -> StageManifest:
                "tokens_per_second": summary["tokens_per_second"],
                "loss_curve": (job.output_dir / "training_loss.png").exists(),
                "resumed_from": str(job.resumed_from) if job.resumed_from else None,
-               "backend_reason": job.request.backend_reason, "batch_shape": job.request.batch_shape},
+               "backend_reason": job.request.backend_reason, "batch_shape": job.request.batch_shape,
+               "kt_step": _kt_step_record(job, summary["records"])},
     )
+
+
+def _kt_step_record(job: _Job, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evidence the next plan on this host is scaled by (:mod:`ktflow.planning.host_speed`)."""
+    sft, host = job.request.recipe.sft, job.request.host
+    if sft.backend != "kt":
+        return None
+    threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
+    record = kt_step_record(sft, host.hostname, threads, measure_sft(job.model_dir), records)
+    return record.model_dump(mode="json") if record is not None else None
 
 
 _TOOL_PACKAGES = ("llamafactory", "transformers", "peft", "torch", "accelerate", "trl", "llamafactory-kt",
@@ -376,7 +388,7 @@ def run_sft(
 
 
 def _trainer_summary(output_dir: Path) -> dict[str, Any]:
-    losses, steps, tokens_per_s = [], 0, None
+    losses, steps, tokens_per_s, records = [], 0, None, []
     log_path = output_dir / TRAINER_LOG
     if log_path.exists():
         for line in log_path.read_text().splitlines():
@@ -384,6 +396,9 @@ def _trainer_summary(output_dir: Path) -> dict[str, Any]:
                 record = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(record, dict):
+                continue
+            records.append(record)
             steps = max(steps, int(record.get("current_steps", 0)))
             if record.get("loss") is not None:
                 losses.append(float(record["loss"]))
@@ -393,4 +408,4 @@ def _trainer_summary(output_dir: Path) -> dict[str, Any]:
     if results.exists():
         tokens_per_s = json.loads(results.read_text()).get("train_tokens_per_second", tokens_per_s)
     return {"steps": steps, "final_loss": losses[-1] if losses else None, "losses": losses,
-            "tokens_per_second": tokens_per_s}
+            "tokens_per_second": tokens_per_s, "records": records}

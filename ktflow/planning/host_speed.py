@@ -1,0 +1,179 @@
+"""A host's own KT speed: what its finished runs measured against the time model, carried into its next plan.
+
+The step model's constants (:mod:`ktflow.planning.costs`) come from one machine. Machines of one kind
+differ: runs the fit never saw, on three other H100/H200 device machines with 16-core AMX Xeons, measured
+0.45x to 1.25x the step the model predicts, while on one machine, at one expert format and thread count,
+the ratio stayed within about 15 % of its runs' median near the same tokens a micro-batch (README, "KT
+step time"; benchmarks/kt_out_of_sample.py). A torch matmul and bandwidth microbenchmark of each machine
+did not explain the differences; a KT run on the host does.
+
+So every KT SFT run records its steady step and what the shipped model predicts for it
+(:class:`KtStepRecord`, in the SFT manifest's ``extra["kt_step"]``), and :func:`host_speed` finds the
+newest runs on the same host with the same expert format, KT threads and NUMA pools in the store. The
+plan, ``sft.backend: auto`` and micro-batch shaping then scale KT's step by the median of their
+measured-to-predicted ratios (:func:`calibrated_costs`). A host with no such run is planned with the
+model as fitted, and the plan says so.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ktflow.planning.costs import COSTS, CostModel, kt_expert_format, kt_pools, kt_step_estimate
+from ktflow.planning.sizing import ModelSize
+from ktflow.recipe import Recipe, SftConfig
+from ktflow.store import MANIFEST_NAME, StageManifest
+
+# The newest matching runs whose ratios are pooled (a median: one odd run does not move it).
+NEWEST_RUNS = 3
+# A run's steady step spans at least this many optimizer steps after its first logged one (which holds
+# the load and the warm-up); LlamaFactory logs whole seconds, so shorter spans are too coarse to trust.
+MIN_STEADY_STEPS = 2
+MIN_STEADY_SECONDS = 20.0
+
+# The plan's words where a host has no matching run yet.
+UNCALIBRATED = ("not yet calibrated on this host: its first KT run with these settings calibrates the next plan; "
+                "other machines of this kind measured 0.45-1.25x the model")
+
+_ELAPSED = re.compile(r"^(?:(\d+) days?, )?(\d+):(\d\d):(\d\d)$")
+
+
+class KtStepRecord(BaseModel):
+    """One finished KT SFT run's steady step, measured and as the shipped model predicts it."""
+
+    host: str  # the hostname the run trained on
+    expert_format: str
+    threads: int
+    pools: int
+    measured_step_s: float
+    predicted_step_s: float  # COSTS as shipped, at the tokens the trainer counted
+    steps: int  # optimizer steps the measurement spans
+    tokens_per_micro_batch: float | None  # as the trainer counted them (None: its log had no token count)
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_step_s / self.predicted_step_s
+
+    def matches(self, host: str, sft: SftConfig, threads: int) -> bool:
+        return (self.host, self.expert_format, self.threads, self.pools) == (
+            host, kt_expert_format(sft), threads, kt_pools(sft))
+
+
+class HostSpeed(BaseModel):
+    """The factor KT's predicted step is scaled by on one host, and the runs it comes from."""
+
+    factor: float
+    runs: list[str]  # the run directories' names, newest first
+    ratios: list[float]
+
+    @property
+    def basis(self) -> str:
+        return (f"x{self.factor:.2f} for this host: the median measured/predicted step of its {len(self.runs)} KT "
+                f"run(s) with these settings nearest in tokens ({', '.join(f'{r:.2f}' for r in self.ratios)})")
+
+
+def elapsed_seconds(text: str | None) -> float | None:
+    """LlamaFactory's ``elapsed_time`` (``str(timedelta)`` of whole seconds) in seconds."""
+    match = _ELAPSED.match((text or "").strip())
+    if match is None:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def steady_step(records: Iterable[dict]) -> tuple[float, int, float | None] | None:
+    """Seconds an optimizer step took once training ran, from ``trainer_log.jsonl`` records: ``(seconds a
+    step, steps spanned, tokens a step or None)`` between the last attempt's first logged step (whose
+    time holds the load) and its last, or None when they span too little (:data:`MIN_STEADY_STEPS`,
+    :data:`MIN_STEADY_SECONDS`). A resumed run restarts ``elapsed_time``: only the last attempt counts."""
+    points: list[tuple[int, float, int | None]] = []
+    for record in records:
+        elapsed = elapsed_seconds(record.get("elapsed_time"))
+        step = record.get("current_steps")
+        if elapsed is None or not isinstance(step, int):
+            continue
+        if points and elapsed < points[-1][1]:
+            points = []  # a new attempt: a resumed run's elapsed time restarts
+        elif points and step <= points[-1][0]:
+            continue  # the trainer's closing line repeats the last step
+        points.append((step, elapsed, record.get("total_tokens")))
+    if len(points) < 2:
+        return None
+    (s0, t0, k0), (s1, t1, k1) = points[0], points[-1]
+    if s1 - s0 < MIN_STEADY_STEPS or t1 - t0 < MIN_STEADY_SECONDS:
+        return None
+    tokens = (k1 - k0) / (s1 - s0) if isinstance(k0, int) and isinstance(k1, int) and k1 > k0 else None
+    return (t1 - t0) / (s1 - s0), s1 - s0, tokens
+
+
+def kt_step_record(sft: SftConfig, host: str, threads: int, size: ModelSize,
+                   records: Iterable[dict]) -> KtStepRecord | None:
+    """A finished KT run's record: its steady step (:func:`steady_step` over its trainer log ``records``)
+    and the shipped model's prediction for it at the tokens the trainer counted (the recipe's bound
+    when the log has no token count). None when the log spans too little to measure."""
+    measured = steady_step(records)
+    if measured is None:
+        return None
+    step_s, steps, tokens_per_step = measured
+    tokens = tokens_per_step / sft.gradient_accumulation_steps if tokens_per_step else None
+    predicted = kt_step_estimate(size, sft, threads, COSTS, tokens)
+    return KtStepRecord(host=host, expert_format=kt_expert_format(sft), threads=threads, pools=kt_pools(sft),
+                        measured_step_s=round(step_s, 3), predicted_step_s=round(predicted.step_s, 3), steps=steps,
+                        tokens_per_micro_batch=tokens)
+
+
+def pick_calibration(records: list[tuple[str, str, KtStepRecord]], tokens: float | None,
+                     newest: int = NEWEST_RUNS) -> HostSpeed | None:
+    """The factor from matching ``(created_at, run name, record)`` entries: the median ratio of the
+    ``newest`` runs nearest in tokens a micro-batch to ``tokens`` (by ratio; ties: the newest), or of the
+    newest runs when ``tokens`` is unknown. Near in tokens because how much of a step is per-token work
+    differs between machines (the out-of-sample check: within 15 % calibrated this way, 30 % from any run)."""
+    if not records:
+        return None
+
+    def distance(record: KtStepRecord) -> float:
+        if tokens is None or not tokens or not record.tokens_per_micro_batch:
+            return 0.0 if tokens is None else math.inf
+        return abs(math.log(record.tokens_per_micro_batch / tokens))
+
+    ordered = sorted(records, key=lambda item: item[0], reverse=True)  # newest first; the sort below is stable
+    chosen = sorted(ordered, key=lambda item: distance(item[2]))[:newest]
+    ratios = [round(r.ratio, 4) for _, _, r in chosen]
+    return HostSpeed(factor=statistics.median(ratios), runs=[name for _, name, _ in chosen], ratios=ratios)
+
+
+def host_speed(runs_dir: Path, host: str, sft: SftConfig, threads: int,
+               tokens: float | None = None) -> HostSpeed | None:
+    """The speed factor of ``host`` for ``sft``'s KT settings at ``threads`` and ``tokens`` a micro-batch,
+    from the SFT manifests under ``runs_dir`` (``<store>/runs/*/adapter``), or None when no run matches."""
+    found: list[tuple[str, str, KtStepRecord]] = []
+    for manifest_path in Path(runs_dir).glob(f"*/adapter/{MANIFEST_NAME}"):
+        try:
+            manifest = StageManifest.model_validate_json(manifest_path.read_text(encoding="utf-8"))
+            raw = manifest.extra.get("kt_step")
+            record = KtStepRecord.model_validate(raw) if raw else None
+        except (OSError, ValueError):
+            continue  # a manifest of another engine version, or being replaced: not evidence
+        if manifest.stage == "sft" and record is not None and record.predicted_step_s > 0 \
+                and record.matches(host, sft, threads):
+            found.append((manifest.created_at, manifest_path.parent.parent.name, record))
+    return pick_calibration(found, tokens)
+
+
+def calibrated_costs(recipe: Recipe, host: str, threads: int, tokens: float | None = None,
+                     costs: CostModel = COSTS) -> tuple[CostModel, HostSpeed | None]:
+    """``costs`` with KT's step scaled to what this host measured for ``recipe``'s KT settings near
+    ``tokens`` a micro-batch (:func:`host_speed` over the recipe's store), and the evidence; ``costs``
+    unchanged without any."""
+    if recipe.sft.backend != "kt":
+        return costs, None
+    speed = host_speed(recipe.store.layout.run(recipe.name).parent, host, recipe.sft, threads, tokens)
+    if speed is None:
+        return costs, None
+    return costs.model_copy(update={"kt_host_factor": costs.kt_host_factor * speed.factor}), speed
