@@ -304,6 +304,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
             out.print(f"sft.backend auto chose {result.backend_reason}", markup=False)
         if result.batch_shape:
             out.print(f"sft {result.batch_shape}", markup=False)
+        if result.kt_step:
+            step = result.kt_step
+            out.print(f"sft: KT step {step['measured_step_s']:.1f} s measured, {step['predicted_step_s']:.1f} s "
+                      f"predicted by the model as fitted (x{step['measured_step_s'] / step['predicted_step_s']:.2f}: "
+                      "the next plan on this host is calibrated by it)", markup=False)
         if result.loss_curve:
             out.print(f"loss curve: {result.loss_curve}")
     return 0

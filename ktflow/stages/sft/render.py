@@ -70,6 +70,9 @@ class SftResult(BaseModel):
     backend: str = ""  # the backend that trained it (``auto`` resolved)
     backend_reason: str | None = None  # why ``sft.backend: auto`` chose it
     batch_shape: str | None = None  # the KT micro-batch split trained (or a faster one it could have), and why
+    # A KT run's steady step, measured and as the shipped model predicts it (ktflow.planning.host_speed's
+    # KtStepRecord as JSON): what the next plan on this host is calibrated by. None: not KT, or too short.
+    kt_step: dict[str, Any] | None = None
     # The loss curve as a PNG data URL, attached by the SFT flow: the run report is written on the
     # serving host, where the training host's file is not (hosts without a shared filesystem).
     loss_curve_png: str | None = None

@@ -329,7 +329,7 @@ def _result_of(job: _Job, manifest: StageManifest, *, cached: bool) -> SftResult
                      tokens_per_second=extra.get("tokens_per_second"),
                      loss_curve=curve if extra.get("loss_curve") else None, manifest_digest=manifest.digest(),
                      backend=str(manifest.settings.get("backend", "")), backend_reason=extra.get("backend_reason"),
-                     batch_shape=extra.get("batch_shape"))
+                     batch_shape=extra.get("batch_shape"), kt_step=extra.get("kt_step"))
 
 
 SFT: StageSpec[SftRequest, _Job, ModelSize, SftResult] = StageSpec(
