@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ktflow.planning.costs import COSTS, CostModel, kt_expert_format, kt_pools, kt_step_estimate  # noqa: E402
-from ktflow.planning.host_speed import KtStepRecord, pick_calibration  # noqa: E402
+from ktflow.planning.host_speed import KtStepRecord, model_digest, pick_calibration  # noqa: E402
 from ktflow.planning.sizing import ModelSize  # noqa: E402
 from ktflow.recipe import load_recipe  # noqa: E402
 
@@ -80,6 +80,9 @@ MACHINES = (
             {"m1-base": {"m1-t4": "kt_num_threads: 4"},
              "v2l-base": {"v2l-t4": "kt_num_threads: 4", "v2l-t8": "kt_num_threads: 8", "v2l-t12": "kt_num_threads: 12",
                           "v2l-tp2": "kt_tp_enabled: true, 2 pools of 8 threads"}}),
+    Machine("H200 D", "out-of-sample-h200d", None,
+            {"v2l-base": {"v2l-t8": "kt_num_threads: 8", "v2l-t12": "kt_num_threads: 12"},
+             "m3-b": {"m3-t12": "kt_num_threads: 12"}}),
 )
 _NOT_RUNS = ("host", "host-quick", "chat-data", "check", "fixture3")
 
@@ -133,7 +136,12 @@ def _record(run: dict[str, Any], predicted: float) -> KtStepRecord:
     fmt, threads, pools = calibration_group(run)
     return KtStepRecord(host="this machine", expert_format=fmt, threads=threads, pools=pools,
                         measured_step_s=run["steady_step_s"], predicted_step_s=predicted,
-                        steps=len(run["step_intervals_s"]), tokens_per_micro_batch=run["tokens_per_microbatch_measured"])
+                        steps=len(run["step_intervals_s"]), tokens_per_micro_batch=run["tokens_per_microbatch_measured"],
+                        expert_bytes=_expert_bytes(run), model=model_digest())
+
+
+def _expert_bytes(run: dict[str, Any]) -> int:
+    return ModelSize(**run["plan"]["model"], linear_shapes={}).expert_stored_bytes
 
 
 def calibration_group(run: dict[str, Any]) -> tuple[str, int, int]:
@@ -161,7 +169,7 @@ def predictions(runs: dict[str, dict[str, Any]], host: dict[str, Any]) -> list[d
                  for other in runs if other != name and groups[other] == groups[name]}
         worst_peer = max(peers, key=lambda o: abs(peers[o] / step - 1)) if peers else None
         speed = pick_calibration([(runs[o]["stamp"], o, _record(runs[o], shipped[o])) for o in peers],
-                                 run["tokens_per_microbatch_measured"])
+                                 run["tokens_per_microbatch_measured"], _expert_bytes(run))
         rows.append({
             "run": name, "model": run["plan"]["model"]["path"].split("/build/", 1)[-1],
             "expert_format": groups[name][0], "threads": groups[name][1], "pools": groups[name][2],

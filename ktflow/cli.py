@@ -275,6 +275,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ktflow.formats.dataset import validate_dataset
+    from ktflow.planning.host_speed import KtStepRecord
     from ktflow.stages.sft import check_hf_fits_gpus, run_sft
     from ktflow.stages.weights import ensure_source, ensure_training_weights
 
@@ -305,10 +306,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
         if result.batch_shape:
             out.print(f"sft {result.batch_shape}", markup=False)
         if result.kt_step:
-            step = result.kt_step
-            out.print(f"sft: KT step {step['measured_step_s']:.1f} s measured, {step['predicted_step_s']:.1f} s "
-                      f"predicted by the model as fitted (x{step['measured_step_s'] / step['predicted_step_s']:.2f}: "
-                      "the next plan on this host is calibrated by it)", markup=False)
+            step = KtStepRecord.model_validate(result.kt_step)
+            out.print(f"sft: KT step {step.measured_step_s:.1f} s measured, {step.predicted_step_s:.1f} s predicted "
+                      f"by the model as fitted (x{step.ratio:.2f}: the next plan on this host is calibrated by it)",
+                      markup=False)
         if result.loss_curve:
             out.print(f"loss curve: {result.loss_curve}")
     return 0

@@ -17,6 +17,7 @@ from ktflow.planning.host_speed import (
     elapsed_seconds,
     host_speed,
     kt_step_record,
+    model_digest,
     pick_calibration,
     steady_step,
 )
@@ -66,6 +67,9 @@ def test_the_steady_step_leaves_out_the_load_and_only_counts_the_last_attempt() 
     resumed = _log(5, seconds_a_step=30) + [dict(r, current_steps=r["current_steps"] + 5)
                                             for r in _log(5, seconds_a_step=12, load_s=40)]
     assert steady_step(resumed)[:2] == (12.0, 4)
+    # restarted from scratch into the same log (no checkpoint): the steps go back, elapsed need not
+    restarted = _log(3, seconds_a_step=10, load_s=0) + _log(8, seconds_a_step=60, load_s=-20)
+    assert steady_step(restarted)[:2] == (60.0, 7)
     # too short to trust (whole seconds): no measurement, so no record
     assert steady_step(_log(2, seconds_a_step=12)) is None
     assert steady_step(_log(3, seconds_a_step=5)) is None
@@ -82,12 +86,15 @@ def test_a_kt_run_records_its_step_against_the_shipped_prediction(tmp_path: Path
     assert record.predicted_step_s == pytest.approx(kt_step_estimate(size, sft, 16, tokens_per_micro_batch=1024).step_s,
                                                     abs=1e-3)
     assert record.ratio == pytest.approx(30.0 / record.predicted_step_s)
+    assert record.expert_bytes == size.expert_stored_bytes and record.model == model_digest()
+    # without the trainer's token count the prediction would be at the cutoff_len bound: no record
+    assert kt_step_record(sft, "node-a", 16, size, _log(10, seconds_a_step=30, tokens_a_step=None)) is None
 
 
-def _record(ratio: float, tokens: float | None, **kw) -> KtStepRecord:
+def _record(ratio: float, tokens: float, **kw) -> KtStepRecord:
     return KtStepRecord(**{"host": "node-a", "expert_format": "rawint4", "threads": 16, "pools": 1,
                            "measured_step_s": 10 * ratio, "predicted_step_s": 10.0, "steps": 9,
-                           "tokens_per_micro_batch": tokens, **kw})
+                           "tokens_per_micro_batch": tokens, "model": model_digest(), **kw})
 
 
 def test_the_calibration_is_the_median_of_the_runs_nearest_in_tokens() -> None:
@@ -96,9 +103,15 @@ def test_the_calibration_is_the_median_of_the_runs_nearest_in_tokens() -> None:
             ("2026-01-05", "newest-far", _record(1.10, 250))]
     speed = pick_calibration(runs, 3072)
     assert speed.runs == ["old-near", "near", "mid"] and speed.factor == 0.74
+    assert "old-near 0.70" in speed.basis
     assert pick_calibration(runs, 300).runs == ["far", "newest-far", "mid"]
-    # tokens unknown: the newest runs
-    assert pick_calibration(runs, None).runs == ["newest-far", "mid", "near"]
+    # equally near: the newest first
+    assert pick_calibration([("2026-01-01", "older", _record(0.5, 1000)), ("2026-01-02", "newer", _record(0.9, 1000))],
+                            1000, nearest=1).runs == ["newer"]
+    # nearer in expert bytes as well as tokens: a small model's runs do not speak for a large one first
+    sized = [("2026-01-01", "small-model", _record(0.5, 1000, expert_bytes=7 << 30)),
+             ("2026-01-02", "this-model", _record(0.9, 1200, expert_bytes=500 << 30))]
+    assert pick_calibration(sized, 1000, 500 << 30, nearest=1).runs == ["this-model"]
     assert pick_calibration([], 1000) is None
 
 
@@ -118,6 +131,8 @@ def test_only_runs_of_this_host_and_these_kt_settings_count(tmp_path: Path) -> N
     _publish(tmp_path, "bf16", _record(2.0, 1024, expert_format="bf16"))
     _publish(tmp_path, "two-pools", _record(2.0, 1024, pools=2))
     _publish(tmp_path, "plain-sft", None)
+    _publish(tmp_path, "not-sft", _record(2.0, 1024), stage="convert-lora")
+    _publish(tmp_path, "older-fit", _record(2.0, 1024, model="0123456789abcdef"))  # constants since refitted
     (tmp_path / "runs/half-written/adapter").mkdir(parents=True)
     (tmp_path / "runs/half-written/adapter" / MANIFEST_NAME).write_text("{not json")
     speed = host_speed(tmp_path / "runs", "node-a", sft, 16, 1024)
@@ -140,6 +155,8 @@ def test_the_plan_on_a_host_that_ran_kt_is_scaled_by_what_it_measured(tmp_path: 
     assert _plan_sft(recipe, _h100(), size=size).step_seconds == pytest.approx(before.step_seconds)
     costs, speed = calibrated_costs(recipe, "node-a", 16, 1024)
     assert speed is not None and costs.kt_host_factor == 0.74
+    # set, not compounded: calibrating calibrated costs again changes nothing
+    assert calibrated_costs(recipe, "node-a", 16, 1024, costs=costs)[0].kt_host_factor == 0.74
     assert json.loads(speed.model_dump_json())["runs"] == ["big-kt-rawint4-earlier"]
 
 
@@ -152,7 +169,7 @@ def test_the_device_runs_were_planned_by_this_rule_from_the_runs_before_them() -
     for i, run in enumerate(runs):
         record = KtStepRecord.model_validate(run["kt_step"])
         earlier = [(str(j), r["name"], KtStepRecord.model_validate(r["kt_step"])) for j, r in enumerate(runs[:i])]
-        speed = pick_calibration(earlier, record.tokens_per_micro_batch)
+        speed = pick_calibration(earlier, record.tokens_per_micro_batch)  # one model: expert bytes equal
         expected = record.predicted_step_s * (speed.factor if speed else 1.0)
         assert run["planned_step_s"] == pytest.approx(expected, rel=2e-3)
         if speed:

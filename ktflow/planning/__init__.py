@@ -7,8 +7,12 @@
   memory and KT SFT's GPU memory and RSS. Imports: formats, recipe, resources, units.
 - ``costs.py``: the time model (``CostModel``; KT's step fitted on docs/benchmarks/kt-throughput by
   benchmarks/kt_step_model.py, the rest on docs/benchmarks/calibration.json). Imports: sizing, units.
+- ``host_speed.py``: a host's own KT speed: the steady step each KT SFT run records against the time
+  model's prediction (``KtStepRecord``), and the factor later plans on that host are scaled by
+  (``calibrated_costs``). Imports: costs, sizing, recipe, store.
 - ``batch_shape.py``: tokens per record from the dataset, tokens per micro-batch, and the micro-batch
-  split KT trains fastest that fits (``shape_kt_batches``). Imports: costs, sizing, recipe, resources, formats.
+  split KT trains fastest that fits (``shape_kt_batches``), each at this host's own speed.
+  Imports: costs, host_speed, sizing, recipe, resources, formats.
 - ``plan.py``: ``ktflow plan``: every stage's disk, RAM, GPU memory, GPUs and time on a host, read
   from the stages' own declarations (``sft_needs``, ``serve_needs``, ``candidate_needs``).
   Imports: the above, recipe, resources, and the stages' declared needs.

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from ktflow.host.hardware import HostInfo
 from ktflow.planning.costs import COSTS, CostModel, kt_step_estimate
+from ktflow.planning.host_speed import calibrated_costs, kt_threads
 from ktflow.planning.sizing import ModelSize, kt_sft_needs
 from ktflow.recipe import Recipe, SftConfig
 from ktflow.resources import gpu_shortfall, ram_shortfall
@@ -174,7 +175,9 @@ def _shape(recipe: Recipe, size: ModelSize, host: HostInfo, threads: int, length
            costs: CostModel) -> BatchShape:
     sft = recipe.sft
     tokens = tokens_per_micro_batch(sft, lengths)
-    estimate = kt_step_estimate(size, sft, threads, costs, tokens)
+    # each split at this host's own speed near its tokens, where the host has KT runs (host_speed)
+    host_costs, _ = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs)
+    estimate = kt_step_estimate(size, sft, threads, host_costs, tokens)
     records = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
     real = (lengths.mean if lengths is not None else sft.cutoff_len) * records
     gpu, ram = kt_sft_needs(size, sft)
@@ -197,7 +200,7 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
     otherwise the reason says what it would choose. ``recipe`` must have ``sft.backend: kt``.
     """
     sft = recipe.sft
-    threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
+    threads = kt_threads(sft, host.physical_cores)
     effective = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
     written = _shape(recipe, size, host, threads, lengths, costs)
     candidates = []

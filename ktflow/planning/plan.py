@@ -32,7 +32,7 @@ from ktflow.host.hardware import HostInfo
 from ktflow.host.pools import WORK_POOLS, pool_for_stage
 from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_batches, tokens_basis, tokens_per_micro_batch
 from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate
-from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs
+from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, kt_threads
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
@@ -265,9 +265,7 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
             return None, None
         recipe, chosen, shaped = choice.recipe, f"auto -> {choice.reason}. ", choice.batch_shape or ""
     elif recipe.sft.backend == "kt":
-        threads = (recipe.sft.kt_config.kt_num_threads if recipe.sft.kt_config else None) or host.physical_cores
-        here = calibrated_costs(recipe, host.hostname, threads, tokens_per_micro_batch(recipe.sft, lengths), costs)[0]
-        shape = shape_kt_batches(recipe, size, host, lengths, here)
+        shape = shape_kt_batches(recipe, size, host, lengths, costs)
         recipe, shaped = shape.recipe, shape.reason
     sft = recipe.sft
     needs = sft_needs(recipe, size)
@@ -276,9 +274,9 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
     gb = size.stored_bytes / GB
     tokens = tokens_per_micro_batch(sft, lengths)
     if sft.backend == "kt":
-        threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
-        here, speed = calibrated_costs(recipe, host.hostname, threads, tokens, costs)
-        estimate = kt_step_estimate(size, sft, threads, here, tokens)
+        threads = kt_threads(sft, host.physical_cores)
+        host_costs, speed = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs)
+        estimate = kt_step_estimate(size, sft, threads, host_costs, tokens)
         step = estimate.step_s
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
         calibration = speed.basis if speed is not None else UNCALIBRATED

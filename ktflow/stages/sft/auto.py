@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from ktflow.errors import HostRequirementError, InvalidInputError
 from ktflow.host.hardware import HostInfo
 from ktflow.planning.batch_shape import RecordLengths, ShapeChoice, record_lengths, shape_kt_batches, tokens_per_micro_batch
-from ktflow.planning.host_speed import calibrated_costs
+from ktflow.planning.host_speed import calibrated_costs, kt_threads
 from ktflow.planning.sizing import (
     HF_DOES_NOT_FIT_FIX,
     ModelSize,
@@ -98,16 +98,16 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
         check_kt_model(kt_recipe, model_config, Path(size.path) / "config.json")
     except InvalidInputError as exc:
         kt_problems.append(exc.reason)
-    threads = (kt_recipe.sft.kt_config.kt_num_threads if kt_recipe.sft.kt_config else None) or host.physical_cores
+    threads = kt_threads(kt_recipe.sft, host.physical_cores)
     shape: ShapeChoice | None = None
     t_kt = None
     if not kt_problems:
-        # this host's own KT runs, where it has some
-        here, _ = calibrated_costs(kt_recipe, host.hostname, threads, tokens_per_micro_batch(kt_recipe.sft, lengths))
-        shape = shape_kt_batches(kt_recipe, size, host, lengths, here)
+        shape = shape_kt_batches(kt_recipe, size, host, lengths)
         kt_recipe = shape.recipe
-        t_kt = kt_step_seconds(size, kt_recipe.sft, threads, here, tokens_per_micro_batch=tokens_per_micro_batch(
-            kt_recipe.sft, lengths))
+        tokens = tokens_per_micro_batch(kt_recipe.sft, lengths)
+        # at this host's own speed, where it has KT runs (host_speed): as the plan and the shaper predict it
+        host_costs, _ = calibrated_costs(kt_recipe, host.hostname, threads, tokens, size.expert_stored_bytes)
+        t_kt = kt_step_seconds(size, kt_recipe.sft, threads, host_costs, tokens_per_micro_batch=tokens)
     hf_tokens = None if lengths is None else round(
         tokens_per_micro_batch(hf_recipe.sft, lengths) * hf_recipe.sft.gradient_accumulation_steps)
     t_hf = None if hf_problems else hf_step_seconds(size, hf_recipe.sft, tokens_per_step=hf_tokens)
@@ -164,9 +164,7 @@ def resolve_batch_shape(recipe: Recipe, model_dir: Path, host: HostInfo,
     (``sft.kt_shape_batches: true``) on the model in ``model_dir``; None for any other recipe."""
     if recipe.sft.backend != "kt" or not recipe.sft.kt_shape_batches:
         return None
-    threads = (recipe.sft.kt_config.kt_num_threads if recipe.sft.kt_config else None) or host.physical_cores
-    here, _ = calibrated_costs(recipe, host.hostname, threads, tokens_per_micro_batch(recipe.sft, lengths))
-    return shape_kt_batches(recipe, model_size(Path(model_dir)), host, lengths, here)
+    return shape_kt_batches(recipe, model_size(Path(model_dir)), host, lengths)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint
 from ktflow.formats.dataset import dataset_digest, prepare_dataset, validate_dataset
 from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.host.process import LogFollower, ThrottledLines, run_tool, tool_versions
-from ktflow.planning.host_speed import kt_step_record
+from ktflow.planning.host_speed import kt_step_record, kt_threads
 from ktflow.planning.sizing import (
     ModelSize,
     hf_sft_gpu_need,
@@ -311,8 +311,7 @@ def _kt_step_record(job: _Job, records: list[dict[str, Any]]) -> dict[str, Any] 
     sft, host = job.request.recipe.sft, job.request.host
     if sft.backend != "kt":
         return None
-    threads = (sft.kt_config.kt_num_threads if sft.kt_config else None) or host.physical_cores
-    record = kt_step_record(sft, host.hostname, threads, measure_sft(job.model_dir), records)
+    record = kt_step_record(sft, host.hostname, kt_threads(sft, host.physical_cores), measure_sft(job.model_dir), records)
     return record.model_dump(mode="json") if record is not None else None
 
 
