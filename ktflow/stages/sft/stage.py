@@ -311,7 +311,11 @@ def _kt_step_record(job: _Job, records: list[dict[str, Any]]) -> dict[str, Any] 
     sft, host = job.request.recipe.sft, job.request.host
     if sft.backend != "kt":
         return None
-    record = kt_step_record(sft, host.hostname, kt_threads(sft, host.physical_cores), measure_sft(job.model_dir), records)
+    try:
+        size = measure_sft(job.model_dir)
+    except KtflowError:  # measured before training; a record is evidence for later plans, never worth the run
+        return None
+    record = kt_step_record(sft, host.hostname, kt_threads(sft, host.physical_cores), size, records)
     return record.model_dump(mode="json") if record is not None else None
 
 
