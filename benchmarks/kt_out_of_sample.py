@@ -131,9 +131,10 @@ def _estimate(run: dict[str, Any], costs: CostModel):
                             run["tokens_per_microbatch_measured"])
 
 
-def _record(run: dict[str, Any], predicted: float) -> KtStepRecord:
-    """The run as the SFT stage records it for ``ktflow.planning.host_speed``."""
-    fmt, threads, pools = calibration_group(run)
+def _record(run: dict[str, Any], predicted: float, group: tuple[str, int, int]) -> KtStepRecord:
+    """The run as the SFT stage records it for ``ktflow.planning.host_speed`` (``group``: its
+    :func:`calibration_group`)."""
+    fmt, threads, pools = group
     return KtStepRecord(host="this machine", expert_format=fmt, threads=threads, pools=pools,
                         measured_step_s=run["steady_step_s"], predicted_step_s=predicted,
                         steps=len(run["step_intervals_s"]), tokens_per_micro_batch=run["tokens_per_microbatch_measured"],
@@ -168,7 +169,7 @@ def predictions(runs: dict[str, dict[str, Any]], host: dict[str, Any]) -> list[d
         peers = {other: shipped[name] * runs[other]["steady_step_s"] / shipped[other]
                  for other in runs if other != name and groups[other] == groups[name]}
         worst_peer = max(peers, key=lambda o: abs(peers[o] / step - 1)) if peers else None
-        speed = pick_calibration([(runs[o]["stamp"], o, _record(runs[o], shipped[o])) for o in peers],
+        speed = pick_calibration([(runs[o]["stamp"], o, _record(runs[o], shipped[o], groups[o])) for o in peers],
                                  run["tokens_per_microbatch_measured"], _expert_bytes(run))
         rows.append({
             "run": name, "model": run["plan"]["model"]["path"].split("/build/", 1)[-1],

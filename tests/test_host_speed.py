@@ -15,7 +15,7 @@ from ktflow.planning.host_speed import (
     KtStepRecord,
     calibrated_costs,
     elapsed_seconds,
-    host_speed,
+    host_records,
     kt_step_record,
     model_digest,
     pick_calibration,
@@ -124,7 +124,7 @@ def _publish(store: Path, name: str, record: KtStepRecord | None, stage: str = "
 
 
 def test_only_runs_of_this_host_and_these_kt_settings_count(tmp_path: Path) -> None:
-    sft = _big(tmp_path).sft
+    recipe = _big(tmp_path)
     _publish(tmp_path, "a", _record(0.75, 1024))
     _publish(tmp_path, "other-host", _record(2.0, 1024, host="node-b"))
     _publish(tmp_path, "eight-threads", _record(2.0, 1024, threads=8))
@@ -135,9 +135,9 @@ def test_only_runs_of_this_host_and_these_kt_settings_count(tmp_path: Path) -> N
     _publish(tmp_path, "older-fit", _record(2.0, 1024, model="0123456789abcdef"))  # constants since refitted
     (tmp_path / "runs/half-written/adapter").mkdir(parents=True)
     (tmp_path / "runs/half-written/adapter" / MANIFEST_NAME).write_text("{not json")
-    speed = host_speed(tmp_path / "runs", "node-a", sft, 16, 1024)
+    speed = pick_calibration(host_records(recipe, "node-a", 16), 1024)
     assert speed is not None and speed.runs == ["a"] and speed.factor == 0.75
-    assert host_speed(tmp_path / "runs", "node-c", sft, 16, 1024) is None
+    assert host_records(recipe, "node-c", 16) == []
 
 
 def test_the_plan_on_a_host_that_ran_kt_is_scaled_by_what_it_measured(tmp_path: Path) -> None:

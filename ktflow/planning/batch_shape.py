@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from ktflow.host.hardware import HostInfo
 from ktflow.planning.costs import COSTS, CostModel, kt_step_estimate
-from ktflow.planning.host_speed import calibrated_costs, kt_threads
+from ktflow.planning.host_speed import KtStepRecord, calibrated_costs, host_records, kt_threads
 from ktflow.planning.sizing import ModelSize, kt_sft_needs
 from ktflow.recipe import Recipe, SftConfig
 from ktflow.resources import gpu_shortfall, ram_shortfall
@@ -172,11 +172,11 @@ def _with_split(recipe: Recipe, batch: int, accumulation: int) -> Recipe:
 
 
 def _shape(recipe: Recipe, size: ModelSize, host: HostInfo, threads: int, lengths: RecordLengths | None,
-           costs: CostModel) -> BatchShape:
+           costs: CostModel, records: list[tuple[str, str, KtStepRecord]]) -> BatchShape:
     sft = recipe.sft
     tokens = tokens_per_micro_batch(sft, lengths)
     # each split at this host's own speed near its tokens, where the host has KT runs (host_speed)
-    host_costs, _ = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs)
+    host_costs, _ = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs, records)
     estimate = kt_step_estimate(size, sft, threads, host_costs, tokens)
     records = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
     real = (lengths.mean if lengths is not None else sft.cutoff_len) * records
@@ -202,13 +202,14 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
     sft = recipe.sft
     threads = kt_threads(sft, host.physical_cores)
     effective = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
-    written = _shape(recipe, size, host, threads, lengths, costs)
+    records = host_records(recipe, host.hostname, threads)  # the splits share the host, format and threads
+    written = _shape(recipe, size, host, threads, lengths, costs, records)
     candidates = []
     for batch in range(1, effective + 1):
         if effective % batch:
             continue
         shape = written if batch == sft.per_device_train_batch_size else _shape(
-            _with_split(recipe, batch, effective // batch), size, host, threads, lengths, costs)
+            _with_split(recipe, batch, effective // batch), size, host, threads, lengths, costs, records)
         if shape is not written and shape.fits and host.gpus:
             spare = min(g.vram_bytes for g in host.gpus[: max(sft.gpus, 1)])
             if shape.gpu_bytes > GPU_MARGIN * spare:

@@ -8,7 +8,7 @@ step time"; benchmarks/kt_out_of_sample.py). A torch matmul and bandwidth microb
 did not explain the differences; a KT run on the host does.
 
 So every KT SFT run records its steady step and what the shipped model predicts for it
-(:class:`KtStepRecord`, in the SFT manifest's ``extra["kt_step"]``), and :func:`host_speed` finds the
+(:class:`KtStepRecord`, in the SFT manifest's ``extra["kt_step"]``), and :func:`host_records` finds the
 runs in the store on the same host with the same expert format, KT threads, NUMA pools and fitted
 constants, nearest in tokens a micro-batch and expert bytes. The plan, ``sft.backend: auto`` and
 micro-batch shaping (each split at its own tokens) then scale KT's step by the median of their
@@ -23,14 +23,13 @@ import math
 import re
 import statistics
 from collections.abc import Iterable
-from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from ktflow.planning.costs import COSTS, CostModel, kt_expert_format, kt_pools, kt_step_estimate
 from ktflow.planning.sizing import ModelSize
 from ktflow.recipe import Recipe, SftConfig
-from ktflow.store import MANIFEST_NAME, StageManifest
+from ktflow.store import MANIFEST_NAME, read_manifest
 
 # The matching runs whose ratios are pooled, nearest first (a median: one odd run does not move it).
 NEAREST_RUNS = 3
@@ -170,31 +169,31 @@ def pick_calibration(records: list[tuple[str, str, KtStepRecord]], tokens: float
     return HostSpeed(factor=statistics.median(ratios), runs=[name for _, name, _ in chosen], ratios=ratios)
 
 
-def host_speed(runs_dir: Path, host: str, sft: SftConfig, threads: int, tokens: float,
-               expert_bytes: int = 0) -> HostSpeed | None:
-    """The speed factor of ``host`` for ``sft``'s KT settings at ``threads``, ``tokens`` a micro-batch and
-    ``expert_bytes`` of routed experts, from the SFT manifests under ``runs_dir`` (``<store>/runs/*/adapter``),
-    or None when no run matches."""
+def host_records(recipe: Recipe, host: str, threads: int) -> list[tuple[str, str, KtStepRecord]]:
+    """Every ``(created_at, run name, record)`` in ``recipe``'s store (``<store>/runs/*/adapter``) of a KT run
+    on ``host`` with ``recipe``'s expert format and pools, ``threads`` and these fitted constants: what
+    :func:`pick_calibration` chooses from. Empty unless the recipe trains with KT."""
+    if recipe.sft.backend != "kt":
+        return []
     found: list[tuple[str, str, KtStepRecord]] = []
-    for manifest_path in Path(runs_dir).glob(f"*/adapter/{MANIFEST_NAME}"):
+    for manifest_path in recipe.store.layout.run(recipe.name).parent.glob(f"*/adapter/{MANIFEST_NAME}"):
         try:
-            manifest = StageManifest.model_validate_json(manifest_path.read_text(encoding="utf-8"))
-            raw = manifest.extra.get("kt_step")
+            manifest = read_manifest(manifest_path.parent)
+            raw = manifest.extra.get("kt_step") if manifest is not None else None
             record = KtStepRecord.model_validate(raw) if raw else None
         except (OSError, ValueError):
             continue  # a manifest of another engine version, or being replaced: not evidence
-        if manifest.stage == "sft" and record is not None and record.matches(host, sft, threads):
+        if manifest.stage == "sft" and record is not None and record.matches(host, recipe.sft, threads):
             found.append((manifest.created_at, manifest_path.parent.parent.name, record))
-    return pick_calibration(found, tokens, expert_bytes)
+    return found
 
 
 def calibrated_costs(recipe: Recipe, host: str, threads: int, tokens: float, expert_bytes: int = 0,
-                     costs: CostModel = COSTS) -> tuple[CostModel, HostSpeed | None]:
+                     costs: CostModel = COSTS, records: list[tuple[str, str, KtStepRecord]] | None = None
+                     ) -> tuple[CostModel, HostSpeed | None]:
     """``costs`` with KT's step scaled to what this host measured for ``recipe``'s KT settings near
-    ``tokens`` a micro-batch (:func:`host_speed` over the recipe's store), and the evidence; ``costs``
-    with no host factor without any."""
-    speed = None
-    if recipe.sft.backend == "kt":
-        speed = host_speed(recipe.store.layout.run(recipe.name).parent, host, recipe.sft, threads, tokens,
-                           expert_bytes)
+    ``tokens`` a micro-batch and ``expert_bytes``, and the evidence; ``costs`` with no host factor without
+    any. ``records``: :func:`host_records` already read (one read for many predictions of one recipe)."""
+    speed = pick_calibration(host_records(recipe, host, threads) if records is None else records, tokens,
+                             expert_bytes)
     return costs.model_copy(update={"kt_host_factor": speed.factor if speed else 1.0}), speed
