@@ -30,6 +30,10 @@ export UV_COMPILE_BYTECODE := 1
 UV     := $(BIN)/uv pip install -q
 # pytest exit code 5 ("no tests collected") must fail CI, so it is never masked here.
 PYTEST_ARGS ?=
+# The suite runs in TEST_WORKERS pytest-xdist processes: the tests that share the distributed
+# cluster go to one process as one unit (tests/conftest.py's scheduler), the rest to whichever is
+# free. Much of the suite waits on servers and subprocesses, so 2 workers help on 2 cores too.
+TEST_WORKERS ?= 2
 # The training toolchain: its own venv, because LlamaFactory pins a torch/torchaudio pair that
 # differs from the orchestrator's (and the KT forks would shadow upstream transformers). It uses the
 # same torch 2.9.1 as the KT toolchains, as the KT cookbook does; torchvision/torchaudio must match it.
@@ -104,7 +108,7 @@ sshd:
 # The linter first (seconds): pyflakes, pycodestyle and import order as pyproject.toml's [tool.ruff] sets them.
 test: $(STAMP) $(TRAIN_STAMP) $(LEGACY_STAMP) $(SERVE_STAMP) $(KT_STAMP) browser sshd
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 # Re-resolve the orchestrator pins from pyproject's ranges (needs network to the index).
 lock:

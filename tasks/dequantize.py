@@ -28,8 +28,8 @@ def _cache_key(inputs: dict[str, Any]) -> str | None:
 )
 def dequantize_task(src: str, dst: str, workers: int | None = None, fsync: bool = True) -> DequantizeResult:
     """INT4/FP8 -> BF16 (a BF16 source is passed through). Resumes a crashed attempt per shard."""
-    progress = ProgressReporter("dequantize-progress", f"{src} -> BF16")
-    result = dequantize_checkpoint(src, dst, workers=workers, fsync=fsync, progress=progress)
+    with ProgressReporter("dequantize-progress", f"{src} -> BF16") as progress:
+        result = dequantize_checkpoint(src, dst, workers=workers, fsync=fsync, progress=progress)
     if not result.reused_source and not result.cached:
         create_markdown_artifact(
             key="dequantize-summary",

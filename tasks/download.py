@@ -39,5 +39,6 @@ def hf_token(block: str | None) -> str | None:
 )
 def download_task(source: SourceConfig, store_root: str, hf_token_block: str | None = None) -> DownloadResult:
     """Fetch and verify the recipe's source checkpoint into the store (or reference a local one)."""
-    progress = ProgressReporter("download-progress", f"download {source.repo_id or source.uri or source.local_path}")
-    return download_checkpoint(source, Path(store_root), token=hf_token(hf_token_block), progress=progress)
+    with ProgressReporter("download-progress",
+                          f"download {source.repo_id or source.uri or source.local_path}") as progress:
+        return download_checkpoint(source, Path(store_root), token=hf_token(hf_token_block), progress=progress)

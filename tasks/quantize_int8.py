@@ -37,9 +37,9 @@ def quantize_int8_task(bf16_dir: str, out_dir: str, threadpool_count: int, serve
         missing = check_requirement(INT8_KERNELS, probe_host(Path(out_dir).parent))
         if missing:
             return StageSkipped(stage="quantize-int8", reason=deferral_reason("quantize-int8", missing))
-    progress = ProgressReporter("quantize-int8-progress", f"AMXINT8 T={threadpool_count}", unit="layers")
-    result = quantize_int8(Path(bf16_dir), Path(out_dir), threadpool_count=threadpool_count,
-                           serve_python=Path(serve_python), workers=workers, progress=progress)
+    with ProgressReporter("quantize-int8-progress", f"AMXINT8 T={threadpool_count}", unit="layers") as progress:
+        result = quantize_int8(Path(bf16_dir), Path(out_dir), threadpool_count=threadpool_count,
+                               serve_python=Path(serve_python), workers=workers, progress=progress)
     rows = [{"layer": layer, **{k: v for k, v in figures.items() if isinstance(v, (int, float, str))}}
             for layer, figures in result.verification.items() if isinstance(figures, dict)]
     if rows and not result.cached:

@@ -51,8 +51,9 @@ def sft_task(recipe: Recipe, model_dir: str) -> SftResult:
                 record.remaining_time or "?",
             )
 
-    result = run_sft(recipe, model_dir=Path(model_dir), host=probe_host(recipe.store.root), progress=on_progress,
-                     log=logger.info)
+    with steps:
+        result = run_sft(recipe, model_dir=Path(model_dir), host=probe_host(recipe.store.root), progress=on_progress,
+                         log=logger.info)
     if not result.cached:
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "-"
         create_markdown_artifact(

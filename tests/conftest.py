@@ -22,6 +22,14 @@ if "HF_MODULES_CACHE" not in os.environ:
     os.environ["HF_MODULES_CACHE"] = _modules_cache
     atexit.register(shutil.rmtree, _modules_cache, ignore_errors=True)
 
+# Each test process (pytest-xdist runs two) has its own Prefect home: embedded API servers and
+# their SQLite databases of concurrent tests never share a file, nor touch the user's ~/.prefect.
+if "PREFECT_HOME" not in os.environ:
+    _prefect_home = tempfile.mkdtemp(prefix="ktflow-test-prefect-home-")
+    os.environ["PREFECT_HOME"] = _prefect_home
+    atexit.register(shutil.rmtree, _prefect_home, ignore_errors=True)
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 import functools  # noqa: E402
 
 import pytest  # noqa: E402
@@ -44,7 +52,10 @@ def int8_kernels_missing() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``int8_kernels`` run where kt-kernel's INT8 kernels do, else are skipped with the reason."""
+    """Slow tests first (pytest-xdist hands tests out in this order: the long ones start while the
+    short ones fill the gaps); tests marked ``int8_kernels`` run where kt-kernel's INT8 kernels do,
+    else are skipped with the reason."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within each
     reason = int8_kernels_missing()
     if reason is None:
         return
@@ -121,3 +132,56 @@ def reference_bf16_dir(
         return built[key]
 
     return get
+
+
+# --------------------------------------------------------------------------- the suite's own hygiene
+
+from session_guard import (  # noqa: E402,F401  (hooks: every process the tests start is accounted for)
+    pytest_configure,
+    pytest_configure_node,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
+
+# --------------------------------------------------------------------------- the distributed cluster
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's load scheduling, with the modules that share the session's cluster handed to
+    one worker as one unit (each builds its own session fixtures: two workers would make two
+    clusters and run the first pipeline twice). Decided from the node ids in the controller, as
+    pytest-xdist's ``loadgroup`` does with its marker (which pytest 9.2's node ids no longer take)."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from distributed import CLUSTER_MODULES
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterAsOneUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "the distributed cluster" if nodeid.split("::", 1)[0] in CLUSTER_MODULES else nodeid
+
+    return ClusterAsOneUnit(config, log)
+
+
+@pytest.fixture(scope="session")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    """One Prefect server (PostgreSQL where installed) with the two hosts' workers, for the session:
+    tests/test_orchestration.py and tests/test_ui.py (one xdist group, so one worker builds it)."""
+    from distributed import distributed_setup
+
+    with distributed_setup(tmp_path_factory.mktemp("distributed")) as made:
+        yield made
+
+
+@pytest.fixture(scope="session")
+def first_run(setup):
+    """The demo pipeline run once on ``setup``, with the server restarted while SFT trains; it
+    must complete (else every test that reads it fails with this fixture's error)."""
+    from distributed import first_run as run_first
+
+    run = run_first(setup)
+    if run.final["state_type"] != "COMPLETED":
+        raise AssertionError(f"the session's first pipeline run {run.parent} ended "
+                             f"{run.final['state_type']}: {run.final['state'].get('message')}")
+    return run

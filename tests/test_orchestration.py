@@ -8,6 +8,9 @@ stage (its weights are for a later SGLang host), with the reason, as the embedde
 Deployments come from deployments/prefect.yaml; runs are started with the ``prefect`` CLI, as
 users do. Every stage is real (tiny Kimi-K2.5 fixture, LlamaFactory SFT on CPU, kt-kernel INT8
 where the CPU has it, LlamaFactory's OpenAI server).
+
+The cluster and its first pipeline run are the session's (tests/distributed.py, made by
+conftest.py's ``setup`` and ``first_run``), shared with tests/test_ui.py.
 """
 
 from __future__ import annotations
@@ -19,13 +22,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-import yaml
-from prefect_cluster import REPO, Cluster, free_port, prefect_cluster
+from distributed import (
+    HOST_ENV,
+    SERVE,
+    STAGES,
+    TRAIN,
+    TRAIN_STAGES,
+    FirstRun,
+    Setup,
+    run_id_of,
+)
+from distributed import processes_of_run as _processes_of_run
+from distributed import wait_for_training as _wait_for_training
+from prefect_cluster import REPO
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,161 +46,17 @@ pytestmark = [
                        reason="toolchains not installed (make test installs them)"),
 ]
 
-TRAIN, SERVE = "train-host", "serve-host"
-# What each fake host advertises; heartbeats every 5 s, so a stopped worker is offline in 15 s.
-HOST_ENV = {
-    TRAIN: {"KT_KERNEL_CPU_VARIANT": "amx", "PREFECT_WORKER_HEARTBEAT_SECONDS": "5"},
-    SERVE: {"KT_KERNEL_CPU_VARIANT": "avx512_bf16", "PREFECT_WORKER_HEARTBEAT_SECONDS": "5"},
-}
-TRAIN_STAGES = {"download", "dequantize", "sft"}
 
-
-class Setup:
-    def __init__(self, cluster: Cluster, root: Path, recipe_file: Path) -> None:
-        self.cluster, self.root, self.recipe_file = cluster, root, recipe_file
-
-    def recipe(self, dataset: Path | None = None) -> dict:
-        from ktflow.recipe import load_recipe
-
-        overrides = [f"dataset.files={json.dumps([str(dataset)])}"] if dataset else []
-        return load_recipe(self.recipe_file, overrides).model_dump(mode="json")
-
-    def dataset_variant(self, name: str, old: str, new: str) -> Path:
-        """A copy of the training data with one record changed (a new data hash: SFT reruns)."""
-        lines = (self.root / "data/train.jsonl").read_text().splitlines()
-        lines[0] = lines[0].replace(old, new)
-        assert lines[0] != (self.root / "data/train.jsonl").read_text().splitlines()[0]
-        path = self.root / "data" / name
-        path.write_text("\n".join(lines) + "\n")
-        return path
-
-    def start_pipeline(self, recipe: dict) -> str:
-        done = self.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
-                                    json.dumps({"recipe": recipe}))
-        return _run_id(done.stdout)
-
-    def flow_runs(self, flow: str, states: list[str] | None = None) -> list[dict]:
-        body: dict = {"flows": {"name": {"any_": [flow]}}, "sort": "EXPECTED_START_TIME_DESC"}
-        if states:
-            body["flow_runs"] = {"state": {"type": {"any_": states}}}
-        return self.cluster.api("POST", "/flow_runs/filter", body)  # type: ignore[return-value]
-
-    def flow_run(self, run_id: str) -> dict:
-        return self.cluster.api("GET", f"/flow_runs/{run_id}")  # type: ignore[return-value]
-
-    def wait_state(self, run_id: str, types: set[str], timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            run = self.flow_run(run_id)
-            if run["state_type"] in types:
-                return run
-            time.sleep(1)
-        raise AssertionError(f"flow run {run_id} still {self.flow_run(run_id)['state_type']} after {timeout} s")
-
-    def artifacts(self, flow_run_id: str | None = None, key_like: str | None = None) -> list[dict]:
-        body: dict = {"artifacts": {}}
-        if key_like:
-            body["artifacts"]["key"] = {"like_": key_like}
-        if flow_run_id:
-            body["artifacts"]["flow_run_id"] = {"any_": [flow_run_id]}
-        return self.cluster.api("POST", "/artifacts/filter", body)  # type: ignore[return-value]
-
-    def summary_rows(self, flow_run_id: str) -> dict[str, dict[str, str]]:
-        [artifact] = self.artifacts(flow_run_id, "pipeline-summary")
-        rows = json.loads(artifact["data"]) if isinstance(artifact["data"], str) else artifact["data"]
-        return {row["stage"]: row for row in rows}
-
-    def summary(self, flow_run_id: str) -> dict[str, str]:
-        return {stage: row["result"] for stage, row in self.summary_rows(flow_run_id).items()}
-
-    def endpoint_record(self) -> dict:
-        return json.loads((self.root / "store/serving/tiny-demo/endpoint.json").read_text())
-
-
-def _run_id(cli_output: str) -> str:
-    match = re.search(r"UUID: ([0-9a-f-]{36})", cli_output)
-    assert match, cli_output
-    return match.group(1)
-
-
-def _processes_of_run(run_id: str, *, tools_only: bool = False) -> list[psutil.Process]:
-    """Live processes of a flow run: its flow process and every tool it started (they inherit
-    the run's environment, whoever their parent is now)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-            if env.get("PREFECT__FLOW_RUN_ID") != run_id or proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if not tools_only or "KTFLOW_TOOL_RUN" in env:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def _wait_for_training(setup: Setup, parent: str, timeout: float, ready=lambda: True) -> dict:
-    """The running SFT child run, once its trainer process is up (and ``ready()`` holds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert time.monotonic() < deadline, "SFT never started"
-        assert setup.flow_run(parent)["state_type"] not in ("FAILED", "CRASHED", "COMPLETED", "CANCELLED")
-        running = setup.flow_runs("ktflow-sft", ["RUNNING"])
-        if running and _processes_of_run(running[0]["id"], tools_only=True) and ready():
-            return running[0]
-        time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    from ktflow.demo import DEMO_MODEL, write_demo_dataset
-    from ktflow.fixtures.checkpoints import make_fixture
-
-    root = tmp_path_factory.mktemp("distributed")
-    make_fixture(DEMO_MODEL, root / "model")
-    write_demo_dataset(root / "data")
-    recipe = yaml.safe_load((REPO / "recipes/tiny-demo.yaml").read_text())
-    recipe["source"]["local_path"] = str(root / "model")
-    recipe["dataset"]["files"] = [str(root / "data/train.jsonl")]
-    recipe["evaluation"]["files"] = [str(root / "data/eval.jsonl")]
-    recipe["store"]["root"] = str(root / "store")
-    recipe["serving"]["port"] = free_port()
-    # The ktflow CLI reads a recipe's relative paths from the recipe's folder (here: root), the
-    # workers from the checkout: absolute toolchains mean the same to both.
-    recipe["toolchains"] = {role: {"python": str(REPO / f".venv-{role}/bin/python")} for role in ("train", "serve")}
-    recipe_file = root / "recipe.yaml"
-    recipe_file.write_text(yaml.safe_dump(recipe))
-    with prefect_cluster(root / "prefect") as cluster:
-        # ktflow's block types, and the serving host's own Toolchain block (what a host whose
-        # environments live elsewhere does); its worker runs the serving stages with it.
-        cluster.prefect("block", "register", "-m", "blocks")
-        cluster.prefect("automation", "create", "--from-file", "deployments/automations/zombie-runs.yaml")
-        subprocess.run([sys.executable, "-c", "import sys\nfrom blocks import Toolchain\n"
-                        "Toolchain(role='serve', python=sys.argv[1]).save('serve-host-serve')",
-                        str(REPO / ".venv-serve/bin/python")], cwd=REPO, env=cluster.env, check=True, timeout=120)
-        cluster.start_worker(TRAIN, ["ktflow-control", "amx-train"], HOST_ENV[TRAIN])
-        cluster.start_worker(SERVE, ["avx512-serve"], HOST_ENV[SERVE], toolchains=["serve=serve-host-serve"])
-        try:
-            yield Setup(cluster, root, recipe_file)
-        finally:
-            subprocess.run([sys.executable, "-m", "ktflow.cli", "serve", str(recipe_file), "--stop"], cwd=REPO,
-                           capture_output=True, timeout=120)
-
-
-def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: bool) -> None:
+def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, first_run: FirstRun, int8_kernels: bool) -> None:
+    """The session's first pipeline run (conftest's ``first_run``: the demo recipe, started with
+    `prefect deployment run`; its server restart is tests/test_ui.py's subject)."""
     from ktflow.host.pools import pool_for_stage
 
-    done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
-                                 json.dumps({"recipe": setup.recipe()}), "--watch", timeout=900)
-    assert "Completed" in done.stdout, done.stdout[-3000:]
-    parent = _run_id(done.stdout)
+    parent = first_run.parent
     assert setup.flow_run(parent)["state_type"] == "COMPLETED"
 
-    where = {}
-    for artifact in setup.artifacts(key_like="stage-host-"):
-        [row] = json.loads(artifact["data"]) if isinstance(artifact["data"], str) else artifact["data"]
-        where[row["stage"]] = row
-    assert set(where) == {"download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate"}
+    where = setup.stage_hosts(parent)
+    assert set(where) == set(STAGES)
     for stage, row in where.items():
         host = TRAIN if stage in TRAIN_STAGES else SERVE
         pool = pool_for_stage(stage).name  # type: ignore[arg-type]
@@ -195,6 +64,7 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: b
     # The child runs hang under the parent (as_subflow): the UI shows one tree.
     children = [setup.flow_run(row["flow_run"]) for row in where.values()]
     assert all(child["state_type"] == "COMPLETED" for child in children)
+    assert {child["parent_task_run_id"] is not None for child in children} == {True}
     summary = setup.summary(parent)
     assert "steps" in summary["sft"], summary
     # The candidate (v1, nothing in production yet) is judged before it serves; the row ends with its verdict.
@@ -214,14 +84,15 @@ def test_each_stage_runs_on_the_worker_of_its_pool(setup: Setup, int8_kernels: b
                             cwd=REPO, env=setup.cluster.env, capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     block = json.loads(loaded.stdout.strip().splitlines()[-1])
-    assert block["url"] == setup.endpoint_record()["url"] and block["api_key_env"] == "KTFLOW_API_KEY"
+    assert block["url"] == first_run.endpoint["url"] and block["api_key_env"] == "KTFLOW_API_KEY"
     assert "ktflow-crash-zombie-flow-runs" in setup.cluster.prefect("automation", "ls").stdout
     types = setup.cluster.prefect("block", "type", "ls").stdout
     for block_type in ("ktflow-model-store", "ktflow-toolchain", "ktflow-huggingface-credentials", "ktflow-artifact-store"):
         assert block_type in types, types
 
 
-def test_publishing_an_unchanged_dataset_retrains_as_a_cache_hit_without_restarting_the_server(setup: Setup) -> None:
+def test_publishing_an_unchanged_dataset_retrains_as_a_cache_hit_without_restarting_the_server(
+        setup: Setup, first_run: FirstRun) -> None:
     before = setup.endpoint_record()
     published = setup.cluster.ktflow("dataset", "publish", str(setup.root / "data/train.jsonl"),
                                      "--recipe", str(setup.recipe_file), "--json")
@@ -291,7 +162,8 @@ def _adapter_events(setup: Setup, names: set[str], timeout: float = 60) -> list[
         time.sleep(1)
 
 
-def test_a_regressing_dataset_version_is_rejected_production_stays_and_promote_rollback_swap(setup: Setup) -> None:
+def test_a_regressing_dataset_version_is_rejected_production_stays_and_promote_rollback_swap(
+        setup: Setup, first_run: FirstRun) -> None:
     """Issue #27: a published dataset version whose adapter fails the gate is judged beside
     production and rejected; production keeps serving v1, untouched; promote and rollback move it."""
     from ktflow.registry import AdapterRegistry
@@ -456,7 +328,8 @@ def test_the_server_rejects_an_invalid_recipe_before_creating_a_run(setup: Setup
     assert len(setup.flow_runs("ktflow-dispatch")) == before
 
 
-def test_a_stage_whose_pool_no_live_worker_serves_fails_in_bounded_time(setup: Setup) -> None:
+def test_a_stage_whose_pool_no_live_worker_serves_fails_in_bounded_time(
+        setup: Setup, first_run: FirstRun) -> None:
     setup.cluster.stop_worker(SERVE)
     try:
         deadline = time.monotonic() + 60
@@ -467,7 +340,7 @@ def test_a_stage_whose_pool_no_live_worker_serves_fails_in_bounded_time(setup: S
         started = time.monotonic()
         done = setup.cluster.prefect("deployment", "run", "ktflow-dispatch/pipeline", "--params",
                                      json.dumps({"recipe": setup.recipe(), "pickup_timeout_s": 5}))
-        parent = _run_id(done.stdout)
+        parent = run_id_of(done.stdout)
         final = setup.wait_state(parent, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, 300)
         print(f"failed after {time.monotonic() - started:.1f} s")
         assert final["state_type"] == "FAILED", final["state"]
