@@ -6,10 +6,16 @@
 #                                bigger than the GPU (gpu_host/big.py; one device call each, in this order):
 #                                       fixture-big sft-big hf-big convert-big kill-big resume-big report-big
 #                                       big-reduced (the same code at reduced size: fixture, 4 KT steps, convert)
+#                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
+#                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`)
+#                                       pack-adapter-NAME (the converted adapter into $RESULTS_OUT, for later calls)
 #
 # Inputs (made on a machine with network, carried in ignored paths):
 #   build/gpu-host/parts/bundle.tar.gz.NN   gpu_host/build_bundle.py (the KT training toolchain)
 #   build/gpu-host/inputs/                  gpu_host/make_inputs.py (tiny models + records)
+#   build/gpu-host/serve-parts/serve.tar.xz.NN  gpu_host/build_serve_bundle.py (the SGLang serving toolchain)
+#   build/gpu-host/serve-inputs/converted/NAME  a converted adapter from an earlier call (pack-adapter-NAME), used
+#                                           by serve-NAME when this machine has not trained NAME itself
 # Outputs: build/gpu-host/store (runs, adapters, converted adapters), build/gpu-host/results
 # (timings.jsonl, loss reports, key summaries); RESULTS_OUT=DIR also gets results.tar.gz.
 set -euo pipefail
@@ -140,6 +146,69 @@ step_collect() {
   if [ -n "${RESULTS_OUT:-}" ]; then tar czf "$RESULTS_OUT/results.tar.gz" -C "$B" results; fi
 }
 
+# --------------------------------------------------------------------------- serving (SGLang)
+SERVE_PY="$REPO/$B/serve/bin/python"
+serve_env() {  # what the serving steps' server needs in its environment
+  export TVM_FFI_CACHE_DIR="$REPO/$B/tvm-ffi-cache"   # SGLang's jit_kernel builds (nvcc, first start only)
+  # sglang-kt checks its kernel distribution at start; the bundle's sgl_kernel is upstream sglang-kernel 0.4.4
+  # (gpu_host/build_serve_bundle.py), which that check does not know
+  export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+  # sgl_kernel's sm90 ops link libcudart/libcublas/libnvrtc .so.13: the host torch's CUDA 13 libraries
+  local nv
+  nv=$(python3 -c 'import glob, os, site; print(":".join(sorted({os.path.dirname(p) for sp in site.getsitepackages() for p in glob.glob(os.path.join(sp, "nvidia", "**", "lib*.so*"), recursive=True)})))')
+  export LD_LIBRARY_PATH="${nv}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  mkdir -p "$TVM_FFI_CACHE_DIR"
+}
+
+step_serve_setup() {
+  local t=$(date +%s)
+  if [ ! -x "$SERVE_PY" ] || ! cmp -s "$B/serve-parts/serve.sha256" "$B/serve/.parts.sha256"; then
+    rm -rf "$B/serve"
+    cat "$B"/serve-parts/serve.tar.xz.* | tee >(sha256sum | awk '{print $1"  serve.tar.xz"}' >"$B/.serve.got.sha256") \
+      | python3 -c 'import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$B"
+    cmp -s "$B/.serve.got.sha256" "$B/serve-parts/serve.sha256" || { echo "serve parts corrupt"; exit 2; }
+    cp "$B/serve-parts/serve.sha256" "$B/serve/.parts.sha256"
+  fi
+  serve_env
+  local rc=0
+  "$SERVE_PY" gpu_host/serve_check.py env "$RES/serve-env.json" || rc=$?
+  stamp serve-setup "$t" "$rc"
+}
+
+converted_of() {  # the converted adapter of NAME: this machine's convert-NAME, else one carried from an earlier call
+  if [ -d "$B/store/converted/$1" ]; then echo "$B/store/converted/$1"; else echo "$B/serve-inputs/converted/$1"; fi
+}
+
+recipe_base() {  # the source checkpoint a recipe names (its relative paths mean the recipe's folder)
+  python3 -c 'import os, sys, yaml; p = sys.argv[1]; print(os.path.join(os.path.dirname(p), yaml.safe_load(open(p))["source"]["local_path"]))' "$1"
+}
+
+step_serve() {  # serve VIA NAME; SERVE_RECIPE / SERVE_MODEL / SERVE_KT_WEIGHTS / SERVE_ADAPTER / SERVE_RECORDS /
+                # SERVE_TOKENS / SERVE_SET override the defaults (the tiny-sglang-NAME recipe, its source, ...)
+  local via=$1 name=$2 t=$(date +%s) rc=0 base recipe kt
+  recipe=${SERVE_RECIPE:-gpu_host/tiny-sglang-${name}.yaml}
+  base=${SERVE_MODEL:-$(recipe_base "$recipe")}
+  base=$(python3 gpu_host/serve_check.py served-model "$base" "$B/served-models/$name")
+  kt=${SERVE_KT_WEIGHTS:-$base}
+  local tokens=${SERVE_TOKENS:-}  # the training tokenization (losscheck-NAME's, or carried): the served loss too
+  [ -z "$tokens" ] && [ -f "$RES/tokens-$name.json" ] && tokens="$RES/tokens-$name.json"
+  [ -z "$tokens" ] && [ -f "$B/serve-inputs/tokens-$name.json" ] && tokens="$B/serve-inputs/tokens-$name.json"
+  serve_env
+  local sets=() s
+  for s in ${SERVE_SET:-}; do sets+=(--set "$s"); done
+  "$SERVE_PY" gpu_host/serve_check.py run --via "$via" --recipe "$recipe" --model "$base" --kt-weights "$kt" \
+      --adapter "${SERVE_ADAPTER:-$(converted_of "$name")}" --records "${SERVE_RECORDS:-$B/inputs/data/train.jsonl}" \
+      --out "$RES/serve-$via-$name" ${tokens:+--tokens "$tokens"} "${sets[@]}" 2>&1 | tee "$RES/serve-$via-$name.log" || rc=$?
+  stamp "serve-$via-$name" "$t" "$rc"
+  return "$rc"
+}
+
+step_pack_adapter() {  # pack-adapter NAME: the converted adapter, for a later call's serve-NAME
+  local out=${RESULTS_OUT:-$RES}
+  tar czf "$out/converted-$1.tar.gz" -C "$B/store" "converted/$1"
+  ls -la "$out/converted-$1.tar.gz"
+}
+
 big() {  # big PHASE [ARGS...]: gpu_host/big.py; its results go to build/gpu-host/big*/results
   local t=$(date +%s) rc=0
   "$PY" gpu_host/big.py "$@" || rc=$?
@@ -169,6 +238,10 @@ for s in "${steps[@]}"; do
     resume-big) big resume || status=1 ;;
     report-big) big report ;;
     big-reduced) step_big_reduced || status=1 ;;
+    serve-setup) step_serve_setup || status=1 ;;
+    serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
+    serve-*) step_serve stage "${s#serve-}" || status=1 ;;
+    pack-adapter-*) step_pack_adapter "${s#pack-adapter-}" || status=1 ;;
     bf16|rawint4|bf16-resumed) step_train "$s" || status=1 ;;
     killresume-*) step_killresume "${s#killresume-}" || status=1 ;;
     convert-*) step_convert "${s#convert-}" || status=1 ;;

@@ -432,6 +432,13 @@ class ServingConfig(_Strict):
     chunked_prefill_size: int | None = Field(None, gt=0)
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
     attention_backend: str | None = None
+    sampling_backend: Literal["flashinfer", "pytorch"] | None = Field(
+        None, description="--sampling-backend (sglang); unset: SGLang's default (flashinfer on CUDA). 'pytorch' "
+        "where flashinfer's sampling kernels cannot be built (the GPU host's torch 2.11 bundle)",
+    )
+    grammar_backend: Literal["xgrammar", "outlines", "llguidance", "none"] | None = Field(
+        None, description="--grammar-backend (sglang); 'none' serves without structured output (no grammar library)",
+    )
     dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False

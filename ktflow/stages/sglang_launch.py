@@ -51,6 +51,13 @@ from ktflow.store import StageManifest, read_manifest
 QUANTIZE_INT8_STAGE = "quantize-int8"  # ktflow.stages.quantize_int8.STAGE (not imported: it pulls in the driver)
 LAUNCH_MODULE = "sglang.launch_server"
 LORA_CACHE_ENV = "SGLANG_KT_LORA_CACHE_DIR"  # where sglang-kt splits a merged KT adapter (default /tmp)
+# What every sglang-kt server needs in its environment (the serve stage adds it; a recipe's toolchains.serve.env
+# wins). sglang-kt 0.7.2's get_config() defaults to SGLANG_APPLY_CONFIG_BACKUP=auto, which replaces the config.json
+# of ANY DeepSeek-family checkpoint (model_type deepseek*, or an architecture naming DeepSeek: DeepSeek-V3, Kimi
+# K2/K2.5) with a packaged DeepSeek-V4 config (config_backup_small/large.json: 4096 hidden, 256 experts, NSA
+# indexer): the server then builds another model than the one trained (seen on the GPU host, 2026-11-26: the NSA
+# Indexer of the packaged config failed on a missing deep_gemm). "none" reads the checkpoint's own config.
+SERVER_ENV_DEFAULTS: dict[str, str] = {"SGLANG_APPLY_CONFIG_BACKUP": "none"}
 
 # What --kt-weight-path must be, per --kt-method (checkpoint format from inspect_checkpoint).
 _NATIVE_FORMATS: dict[str, frozenset[str]] = {
@@ -92,6 +99,8 @@ OWNED_FLAGS: dict[str, str] = {
     "--chunked-prefill-size": "set serving.chunked_prefill_size",
     "--mem-fraction-static": "set serving.mem_fraction_static",
     "--attention-backend": "set serving.attention_backend",
+    "--sampling-backend": "set serving.sampling_backend",
+    "--grammar-backend": "set serving.grammar_backend",
     "--dtype": "set serving.dtype",
     "--disable-cuda-graph": "set serving.disable_cuda_graph",
     "--disable-radix-cache": "set serving.disable_radix_cache",
@@ -244,7 +253,9 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
     for flag, value in (("--context-length", serving.context_length),
                         ("--chunked-prefill-size", serving.chunked_prefill_size),
                         ("--mem-fraction-static", serving.mem_fraction_static),
-                        ("--attention-backend", serving.attention_backend)):
+                        ("--attention-backend", serving.attention_backend),
+                        ("--sampling-backend", serving.sampling_backend),
+                        ("--grammar-backend", serving.grammar_backend)):
         if value is not None:
             args += [flag, str(value)]
     args += ["--dtype", serving.dtype]

@@ -28,7 +28,7 @@ def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None,
     """sglang-kt in the serving toolchain; the key reaches it through its environment (the launcher
     hands it to the parser in-process), readiness is /health."""
     from ktflow.host.hardware import probe_host as probe_hardware
-    from ktflow.stages.sglang_launch import render_sglang_launch
+    from ktflow.stages.sglang_launch import SERVER_ENV_DEFAULTS, render_sglang_launch
 
     serving = recipe.serving
     if port != serving.port:
@@ -37,7 +37,7 @@ def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None,
     assert adapter_dir is not None and kt_weight_dir is not None
     launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
                                   serve_python=python, host=host or probe_hardware(record_dir))
-    return _Launch(what="sglang-kt", python=python, argv=launch.argv, env=dict(launch.env),
+    return _Launch(what="sglang-kt", python=python, argv=launch.argv, env={**SERVER_ENV_DEFAULTS, **launch.env},
                    key_env=launch.api_key_env or serving.api_key_env, model_name=adapter_model_name(recipe),
                    ready_url=f"{base_url(serving.host, port).removesuffix('/v1')}/health", expect_model=None,
                    check_auth=False)

@@ -1,0 +1,199 @@
+"""The GPU host's SGLang serving kit, checked without a GPU: the serve recipe (the trained recipe plus a
+serving section whose launch sglang-kt's own parser accepts), the serving bundle builder's pins, trims and
+patches, the serve stage's environment for sglang-kt, and gpu_host/serve_check.py's served-model step.
+The serving itself runs on the GPU host (gpu_host/run.sh serve-setup serve-bf16; docs/benchmarks/sglang-serve)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ktflow.recipe import load_recipe
+from ktflow.stages.sglang_launch import OWNED_FLAGS, SERVER_ENV_DEFAULTS, render_sglang_launch
+
+REPO = Path(__file__).resolve().parent.parent
+GPU_HOST = REPO / "gpu_host"
+sys.path.insert(0, str(GPU_HOST))
+
+import build_serve_bundle  # noqa: E402
+import serve_check  # noqa: E402
+
+SERVE_RECIPE = GPU_HOST / "tiny-sglang-bf16.yaml"
+TRAIN_RECIPE = GPU_HOST / "tiny-kt-bf16.yaml"
+
+
+def test_serve_recipe_is_the_trained_recipe_plus_serving() -> None:
+    """Same name, source, data, sft and store: `ktflow serve` finds the adapter `ktflow sft` trained."""
+    served, trained = (yaml.safe_load(p.read_text()) for p in (SERVE_RECIPE, TRAIN_RECIPE))
+    assert served.pop("serving")["backend"] == "sglang" and trained.pop("serving")["backend"] == "llamafactory"
+    assert served.pop("toolchains")["train"] == trained.pop("toolchains")["train"]
+    assert served == trained
+
+
+def test_serve_recipe_renders_the_gpu_host_flags(fixture_dir, tmp_path: Path) -> None:
+    from test_sglang_launch import fake_host
+
+    r = load_recipe(SERVE_RECIPE)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    model = fixture_dir("bf16")
+    launch = render_sglang_launch(r, model_dir=model, kt_weight_dir=model, adapter_dir=adapter,
+                                  serve_python=Path(sys.executable), host=fake_host(cores=16, gpus=1, numa=1))
+    args = launch.launch_args
+    flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--") and not args[i + 1].startswith("--")}
+    assert flag["--attention-backend"] == "triton" and flag["--sampling-backend"] == "pytorch"
+    assert flag["--grammar-backend"] == "none" and flag["--lora-backend"] == "triton"
+    assert flag["--kt-method"] == "AMXBF16" and int(flag["--max-running-requests"]) >= 2
+    assert "--disable-cuda-graph" in args and "--disable-radix-cache" in args
+
+
+def test_new_backend_flags_are_owned_and_unset_by_default() -> None:
+    for f in ("--sampling-backend", "--grammar-backend"):
+        assert f in OWNED_FLAGS
+    r = load_recipe(REPO / "recipes" / "kimi-k2.5-rawint4.yaml")
+    assert r.serving.sampling_backend is None and r.serving.grammar_backend is None  # shipped argv unchanged
+
+
+@pytest.mark.slow
+def test_serve_recipe_argv_parses_with_sglang_kt(sglang_kt, fixture_dir, tmp_path: Path) -> None:
+    from test_sglang_launch import fake_host, parse_with_sglang
+
+    r = load_recipe(SERVE_RECIPE)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    model = fixture_dir("bf16")
+    launch = render_sglang_launch(r, model_dir=model, kt_weight_dir=model, adapter_dir=adapter,
+                                  serve_python=Path(sys.executable), host=fake_host(cores=16, gpus=1, numa=1))
+    [result] = parse_with_sglang([launch.launch_args])["results"]
+    assert result["ok"], result
+    ns = result["ns"]
+    assert (ns["attention_backend"], ns["sampling_backend"], ns["grammar_backend"]) == ("triton", "pytorch", "none")
+    assert ns["disable_cuda_graph"] is True and ns["lora_backend"] == "triton" and ns["kt_method"] == "AMXBF16"
+
+
+@pytest.fixture(scope="module")
+def sglang_kt():
+    from test_sglang_launch import SERVE_PYTHON
+
+    ok = SERVE_PYTHON.exists() and subprocess.run(
+        [str(SERVE_PYTHON), "-c", "import sglang.srt.server_args"], capture_output=True, timeout=300).returncode == 0
+    if not ok:
+        pytest.skip("sglang-kt not importable in .venv-serve")
+
+
+def test_serve_stage_gives_sglang_kt_the_checkpoints_own_config(monkeypatch, fixture_dir, tmp_path: Path) -> None:
+    """sglang-kt 0.7.2 swaps a DeepSeek-family config.json for a packaged DeepSeek-V4 one unless told not to."""
+    from test_sglang_launch import fake_host
+
+    from ktflow.stages.serve.sglang import _sglang_launch
+
+    assert SERVER_ENV_DEFAULTS == {"SGLANG_APPLY_CONFIG_BACKUP": "none"}
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    model = fixture_dir("bf16")
+    monkeypatch.setenv("KTFLOW_API_KEY", "k" * 32)
+    for overrides, expected in (([], "none"), (["toolchains.serve.env.SGLANG_APPLY_CONFIG_BACKUP=auto"], "auto")):
+        r = load_recipe(SERVE_RECIPE, [f"toolchains.serve.python={sys.executable}", *overrides])
+        launch = _sglang_launch(r, model_dir=model, adapter_dir=adapter, kt_weight_dir=model, record_dir=tmp_path,
+                                port=r.serving.port, host=fake_host(cores=16, gpus=1, numa=1))
+        assert launch.env["SGLANG_APPLY_CONFIG_BACKUP"] == expected
+
+
+# --------------------------------------------------------------------------- the serving bundle
+
+
+def test_serve_bundle_pins_every_package_exactly() -> None:
+    reqs = build_serve_bundle.requirements()
+    names = [r.split("==")[0].lower() for r in reqs]
+    assert len(names) == len(set(names))
+    for must in ("sglang-kt==0.7.2", "sglang-kernel==0.4.4", "flashinfer-python==0.6.3", "apache-tvm-ffi==0.1.11",
+                 "kt-kernel==0.7.2", "transformers-kt==5.6.0.post6"):
+        assert must in reqs
+    kt = {line.split("==")[0].lower(): line.split("==")[1] for line in (REPO / "constraints" / "kt-train.txt")
+          .read_text().splitlines() if "==" in line and not line.startswith("#")}
+    for req in reqs:  # the KT packages both bundles carry are the same versions
+        name, version = req.split("==")
+        if name.lower() in kt and name.lower() not in ("fastapi", "starlette"):
+            assert kt[name.lower()] == version, req
+
+
+@pytest.mark.parametrize("wheel, member, kept", [
+    ("sglang_kt-0.7.2-py3-none-manylinux_2_35_x86_64.whl", "sglang_kt_sgl_kernel_payload/payload.part", False),
+    ("sglang_kt-0.7.2-py3-none-manylinux_2_35_x86_64.whl", "sglang/multimodal_gen/runtime/x.py", False),
+    ("sglang_kt-0.7.2-py3-none-manylinux_2_35_x86_64.whl", "sglang/srt/server_args.py", True),
+    ("sglang_kernel-0.4.4-cp310-abi3-manylinux2014_x86_64.whl", "sgl_kernel/flash_ops.abi3.so", False),
+    ("sglang_kernel-0.4.4-cp310-abi3-manylinux2014_x86_64.whl", "sgl_kernel/sm100/common_ops.abi3.so", False),
+    ("sglang_kernel-0.4.4-cp310-abi3-manylinux2014_x86_64.whl", "sgl_kernel/flashmla_ops.abi3.so", False),
+    ("sglang_kernel-0.4.4-cp310-abi3-manylinux2014_x86_64.whl", "sgl_kernel/sm90/common_ops.abi3.so", True),
+    ("sglang_kernel-0.4.4-cp310-abi3-manylinux2014_x86_64.whl", "sgl_kernel/flash_attn.py", True),
+    ("kt_kernel-0.7.2-cp312-cp312-manylinux_2_35_x86_64.whl", "sgl_kernel/__init__.py", False),
+    ("kt_kernel-0.7.2-cp312-cp312-manylinux_2_35_x86_64.whl", "deep_gemm/__init__.py", False),
+    ("kt_kernel-0.7.2-cp312-cp312-manylinux_2_35_x86_64.whl",
+     "kt_kernel/_kt_kernel_ext_avx2.cpython-312-x86_64-linux-gnu.so", False),
+    ("kt_kernel-0.7.2-cp312-cp312-manylinux_2_35_x86_64.whl",
+     "kt_kernel/_kt_kernel_ext_amx.cpython-312-x86_64-linux-gnu.so", True),
+    ("kt_kernel-0.7.2-cp312-cp312-manylinux_2_35_x86_64.whl", "kt_kernel-0.7.2.dist-info/METADATA", True),
+    ("transformers_kt-5.6.0.post6-py3-none-manylinux_2_35_x86_64.whl", "transformers_kt_sgl_kernel_payload/p", False),
+])
+def test_serve_bundle_trims(wheel: str, member: str, kept: bool) -> None:
+    assert build_serve_bundle.keep(wheel, member) is kept
+
+
+def test_serve_bundle_patches(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "sgl_kernel").mkdir(parents=True)
+    (site / "sgl_kernel" / "__init__.py").write_text('__version__ = "0.4.4"\ndef rmsnorm(): pass\n')
+    (site / "sgl_kernel" / "flash_attn.py").write_text(
+        "import torch\n\n" + build_serve_bundle._FA3_IMPORT + "\n\ndef is_fa3_supported(device=None) -> bool:\n"
+        "    return True\n\n\ndef flash_attn_varlen_func(*a):\n    return torch.ops.sgl_kernel.fwd(*a)\n")
+    build_serve_bundle.patch(site)
+    build_serve_bundle.patch(site)  # idempotent
+    sys.path.insert(0, str(site))
+    try:
+        import sgl_kernel
+        import sgl_kernel.flash_attn as fa3
+        from IPython.display import HTML, display  # noqa: F401  (what sglang/utils.py imports)
+
+        for name in build_serve_bundle.FP4_PLACEHOLDERS:
+            with pytest.raises(NotImplementedError, match=name):
+                getattr(sgl_kernel, name)()
+        assert fa3.flash_ops is None and fa3.is_fa3_supported() is False
+    finally:
+        sys.path.remove(str(site))
+        for mod in [m for m in sys.modules if m.split(".")[0] in ("sgl_kernel", "IPython")]:
+            del sys.modules[mod]
+
+
+# --------------------------------------------------------------------------- serve_check.py served-model
+
+
+def test_served_model_adds_the_deepseek_v3_fields_a_transformers_saved_config_lacks(fixture_dir, tmp_path: Path,
+                                                                                   capsys) -> None:
+    base = fixture_dir("bf16")
+    out = tmp_path / "served"
+    assert serve_check.main.__module__ == "serve_check"
+    args = type("A", (), {"base": str(base), "out": str(out)})
+    assert serve_check.cmd_served_model(args) == 0
+    served = Path(capsys.readouterr().out.strip())
+    config = json.loads((served / "config.json").read_text())
+    assert served == out and {k: config[k] for k in serve_check.DEEPSEEK_V3_CONFIG_FIELDS} == \
+        serve_check.DEEPSEEK_V3_CONFIG_FIELDS
+    original = json.loads((base / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k not in serve_check.DEEPSEEK_V3_CONFIG_FIELDS} == original
+    for f in base.iterdir():
+        if f.name != "config.json":
+            assert (served / f.name).resolve() == f.resolve()
+    # a config that has them (a published checkpoint's) is served as it is
+    assert serve_check.cmd_served_model(type("A", (), {"base": str(served), "out": str(tmp_path / "again")})) == 0
+    assert Path(capsys.readouterr().out.strip()) == served
