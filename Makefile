@@ -55,7 +55,7 @@ KT_VENV := .venv-kt-train
 KT_STAMP := $(KT_VENV)/.ktflow-installed
 KT_PKGS := 'ktransformers[sft]==0.7.2' torch==2.9.1 torchaudio==2.9.1
 
-.PHONY: demo test env train-env serve-env kt-train-env browser sshd lock lock-train lock-serve lock-kt-train clean-env
+.PHONY: demo test docs env train-env serve-env kt-train-env browser sshd lock lock-train lock-serve lock-kt-train clean-env
 
 env: $(STAMP)
 train-env: $(TRAIN_STAMP)
@@ -92,6 +92,12 @@ $(KT_STAMP): constraints/kt-train.txt | $(STAMP)
 
 demo: $(STAMP) $(TRAIN_STAMP) $(SERVE_STAMP)
 	$(BIN)/ktflow demo
+
+# The documentation site (mkdocs.yml, docs/) into site/; the recipe and CLI references and the figures are
+# generated while it builds (docs/gen_reference.py). --strict: a broken link or a page left out of nav fails.
+# NO_MKDOCS_2_WARNING: Material 9.7+ prints a banner about its end of life (May 2027) at every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Debian's chromium and its driver for the browser test (tests/test_ui.py); apt only when absent.
 browser:
