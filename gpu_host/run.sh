@@ -9,6 +9,8 @@
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`)
 #                                       pack-adapter-NAME (the converted adapter into $RESULTS_OUT, for later calls)
+#                                       int8-NAME (ktflow quantize-int8 of NAME's BF16 base, T=1, + the .kt layout
+#                                       sglang-kt's AMXINT8 expert LoRA path reads: $B/served-int8/NAME)
 #
 # Inputs (made on a machine with network, carried in ignored paths):
 #   build/gpu-host/parts/bundle.tar.gz.NN   gpu_host/build_bundle.py (the KT training toolchain)
@@ -125,7 +127,7 @@ step_losscheck() {  # losscheck NAME
     base="$B/store/bf16-$name"
   fi
   "$PY" gpu_host/loss_check.py tokens "$(run_dir "$name")" "$RES/tokens-$name.json"
-  for v in base full no-experts transposed; do
+  for v in ${LOSSCHECK_VARIANTS:-base full no-experts transposed}; do
     python3 gpu_host/loss_check.py loss "$base" "$B/store/converted/$name" "$RES/tokens-$name.json" --variant "$v" \
         --json "$RES/loss-$name-$v.json" || echo "variant $v failed"
   done
@@ -185,11 +187,13 @@ recipe_base() {  # the source checkpoint a recipe names (its relative paths mean
 
 step_serve() {  # serve VIA NAME; SERVE_RECIPE / SERVE_MODEL / SERVE_KT_WEIGHTS / SERVE_ADAPTER / SERVE_RECORDS /
                 # SERVE_TOKENS / SERVE_SET override the defaults (the tiny-sglang-NAME recipe, its source, ...)
-  local via=$1 name=$2 t=$(date +%s) rc=0 base recipe kt
+  local via=$1 name=$2 t=$(date +%s) rc=0 base src recipe kt
   recipe=${SERVE_RECIPE:-gpu_host/tiny-sglang-${name}.yaml}
-  base=${SERVE_MODEL:-$(recipe_base "$recipe")}
-  base=$(python3 gpu_host/serve_check.py served-model "$base" "$B/served-models/$name")
-  kt=${SERVE_KT_WEIGHTS:-$base}
+  src=${SERVE_MODEL:-$(recipe_base "$recipe")}
+  # the GPU side: the base as sglang-kt loads it (serve_check.py served-model); the KT CPU experts: the source
+  # checkpoint itself (RAWINT4 reads the Kimi INT4 tensors natively, BF16/AMXBF16 its BF16 experts)
+  base=$(python3 gpu_host/serve_check.py served-model "$src" "$B/served-models/$name")
+  kt=${SERVE_KT_WEIGHTS:-$src}
   local tokens=${SERVE_TOKENS:-}  # the training tokenization (losscheck-NAME's, or carried): the served loss too
   [ -z "$tokens" ] && [ -f "$RES/tokens-$name.json" ] && tokens="$RES/tokens-$name.json"
   [ -z "$tokens" ] && [ -f "$B/serve-inputs/tokens-$name.json" ] && tokens="$B/serve-inputs/tokens-$name.json"
@@ -200,6 +204,18 @@ step_serve() {  # serve VIA NAME; SERVE_RECIPE / SERVE_MODEL / SERVE_KT_WEIGHTS 
       --adapter "${SERVE_ADAPTER:-$(converted_of "$name")}" --records "${SERVE_RECORDS:-$B/inputs/data/train.jsonl}" \
       --out "$RES/serve-$via-$name" ${tokens:+--tokens "$tokens"} "${sets[@]}" 2>&1 | tee "$RES/serve-$via-$name.log" || rc=$?
   stamp "serve-$via-$name" "$t" "$rc"
+  return "$rc"
+}
+
+step_int8() {  # int8 NAME: ktflow quantize-int8 of NAME's BF16 base (T = INT8_T, default 1), then the .kt layout
+  local name=$1 t=$(date +%s) rc=0 base out=$B/store/int8/$1
+  base=$(base_of "$name")
+  local py=${INT8_PY:-$PY}  # any python with kt-kernel + ktflow's deps: the KT bundle's, or the serving bundle's
+  "$py" -m ktflow.cli quantize-int8 "$base" "$out" --threadpool-count "${INT8_T:-1}" --serve-python "$py" 2>&1 \
+      | tee "$RES/quantize-int8-$name.log" || rc=$?
+  [ "$rc" = 0 ] && { cp "$out/manifest.json" "$RES/int8-manifest-$name.json" 2>/dev/null || true
+                     python3 gpu_host/serve_check.py int8-kt-layout "$out" "$B/served-int8/$name" || rc=$?; }
+  stamp "int8-$name" "$t" "$rc"
   return "$rc"
 }
 
@@ -242,6 +258,7 @@ for s in "${steps[@]}"; do
     serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
     serve-*) step_serve stage "${s#serve-}" || status=1 ;;
     pack-adapter-*) step_pack_adapter "${s#pack-adapter-}" || status=1 ;;
+    int8-*) step_int8 "${s#int8-}" || status=1 ;;
     bf16|rawint4|bf16-resumed) step_train "$s" || status=1 ;;
     killresume-*) step_killresume "${s#killresume-}" || status=1 ;;
     convert-*) step_convert "${s#convert-}" || status=1 ;;
