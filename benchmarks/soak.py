@@ -169,8 +169,9 @@ def drive(url: str, key: str, model: str, *, n: int, concurrency: int, max_token
             "mean_ms": (sum(latencies) / len(latencies) * 1000) if latencies else float("nan")}
 
 
-def leftovers(pid: int, run_id: str | None, port: int) -> dict[str, Any]:
-    """What a stopped server left: its pid alive, marked processes, children of ours, an open port."""
+def leftovers(pid: int, run_id: str | None, port: int, already: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """What a stopped server left: its pid alive, marked processes, children of ours (but ``already``:
+    those that ran before the soak started, e.g. a test session's own servers), an open port."""
     from ktflow.stages.serve import SERVER_MARKER, port_is_open
 
     def alive(p: int) -> bool:
@@ -189,7 +190,7 @@ def leftovers(pid: int, run_id: str | None, port: int) -> dict[str, Any]:
                 marked.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    children = [c.pid for c in psutil.Process().children(recursive=True) if alive(c.pid)]
+    children = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in already and alive(c.pid)]
     return {"server_alive": alive(pid), "marked": marked, "children": children,
             "port_open": port_is_open("127.0.0.1", port)}
 
@@ -204,6 +205,7 @@ def run_soak(work: Path, *, n: int = 200, concurrency: int = 8, max_tokens: int 
 
     work = Path(work).absolute()
     work.mkdir(parents=True, exist_ok=True)
+    already = frozenset(c.pid for c in psutil.Process().children(recursive=True))  # not the soak's
     prep = run_child([str(Path(__file__).resolve()), "--child", "prepare", "--dir", str(work), "--steps", str(steps)],
                      work / "prepare.log", env={"HF_HUB_OFFLINE": "1"})
     if prep.returncode != 0 or not prep.result:
@@ -249,7 +251,7 @@ def run_soak(work: Path, *, n: int = 200, concurrency: int = 8, max_tokens: int 
     finally:
         if endpoint is not None or (record / "endpoint.json").exists():
             stop(record, grace_s=10)
-    left = leftovers(endpoint.pid if endpoint else -1, endpoint.run_id if endpoint else None, port)
+    left = leftovers(endpoint.pid if endpoint else -1, endpoint.run_id if endpoint else None, port, already)
     result["leftovers"] = left
     why = []
     if result.get("errors", 1) or result.get("warmup_errors", 1):

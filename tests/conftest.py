@@ -29,6 +29,11 @@ if "PREFECT_HOME" not in os.environ:
     os.environ["PREFECT_HOME"] = _prefect_home
     atexit.register(shutil.rmtree, _prefect_home, ignore_errors=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# pytest-xdist runs the suite in several processes; each one's trainers, servers and kernels share
+# its part of the cores (OpenMP threads of two processes spinning on the same cores slow both).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 import functools  # noqa: E402
 

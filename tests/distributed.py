@@ -44,11 +44,17 @@ class Setup:
     def __init__(self, cluster: Cluster, root: Path, recipe_file: Path) -> None:
         self.cluster, self.root, self.recipe_file = cluster, root, recipe_file
 
-    def recipe(self, dataset: Path | None = None) -> dict:
+    def recipe(self, dataset: Path | None = None, *overrides: str) -> dict:
         from ktflow.recipe import load_recipe
 
-        overrides = [f"dataset.files={json.dumps([str(dataset)])}"] if dataset else []
-        return load_recipe(self.recipe_file, overrides).model_dump(mode="json")
+        data = [f"dataset.files={json.dumps([str(dataset)])}"] if dataset else []
+        return load_recipe(self.recipe_file, [*data, *overrides]).model_dump(mode="json")
+
+    def crash_recipe(self, dataset: Path) -> dict:
+        """The recipe on ``dataset`` for a test of how the SFT stage survives a crash, a cancel or a
+        dead worker: no evaluation (the first run and the regressing-version test judge adapters on
+        this cluster; each evaluation starts two servers)."""
+        return self.recipe(dataset, "evaluation.enabled=false")
 
     def dataset_variant(self, name: str, old: str, new: str) -> Path:
         """A copy of the training data with one record changed (a new data hash: SFT reruns)."""

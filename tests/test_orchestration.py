@@ -258,7 +258,7 @@ def test_a_bad_dataset_is_not_published(setup: Setup) -> None:
 
 def test_cancelling_the_parent_cancels_the_running_stage_and_leaves_no_process(setup: Setup) -> None:
     data = setup.dataset_variant("cancel.jsonl", "nya~", "nya nya nya~")
-    parent = setup.start_pipeline(setup.recipe(data))
+    parent = setup.start_pipeline(setup.crash_recipe(data))
     sft = _wait_for_training(setup, parent, 300)
     setup.cluster.prefect("flow-run", "cancel", parent)
     setup.wait_state(parent, {"CANCELLED"}, 120)
@@ -272,7 +272,7 @@ def test_cancelling_the_parent_cancels_the_running_stage_and_leaves_no_process(s
 def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup) -> None:
     data = setup.dataset_variant("kill.jsonl", "nya~", "nya, nya~")
     earlier = set((setup.root / "store").glob("runs/*/output/checkpoint-*"))
-    parent = setup.start_pipeline(setup.recipe(data))
+    parent = setup.start_pipeline(setup.crash_recipe(data))
 
     def checkpointed() -> bool:
         return bool(set((setup.root / "store").glob("runs/*/output/checkpoint-*")) - earlier)
@@ -297,7 +297,7 @@ def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup)
 def test_a_restarted_worker_does_not_run_a_stage_twice(setup: Setup) -> None:
     data = setup.dataset_variant("restart.jsonl", "nya~", "nya... nya~")
     before = {run["id"] for run in setup.flow_runs("ktflow-sft")}
-    parent = setup.start_pipeline(setup.recipe(data))
+    parent = setup.start_pipeline(setup.crash_recipe(data))
     sft = _wait_for_training(setup, parent, 300)
     # The training host's worker dies (kill -9 of ktflow worker and Prefect's workers); the
     # stage's own process lives on, as it does when a worker unit is restarted.
