@@ -432,12 +432,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return _serve_dry_run(recipe, record_dir, as_json=args.json)
-    from ktflow.stages.weights import ensure_source, ensure_training_weights, serving_weights
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
 
     source = ensure_source(recipe)
     trained_on = ensure_training_weights(recipe, source=source)
     bf16 = trained_on if trained_on != source else None
-    model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=bf16)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source, bf16_dir=bf16, log=_say)
     from ktflow.stages.promotion import registry_of
 
     production = registry_of(recipe).production_version()
@@ -483,17 +483,34 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
                                   for i in range(recipe.serving.gpus)],
             "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
         })
+        notes = []
+        if (Path(model_dir) / "config.json").is_file():  # the view the serve stage gives sglang-kt, if any
+            from ktflow.stages.serve.sglang_inputs import model_view_plan, sglang_model_view
+
+            view = sglang_model_view(model_dir, record_dir, create=False)
+            if view != Path(model_dir).absolute():
+                notes.append(f"--model-path: a view of {model_dir} the serve stage makes at start "
+                             f"({model_view_plan(model_dir).reason})")  # type: ignore[union-attr]
+            model_dir = view
+        if recipe.serving.kt_method == "AMXINT8":
+            notes.append("--kt-weight-path: with an adapter that carries an expert LoRA (a KT SFT adapter), the "
+                         "serve stage serves kt-kernel's .kt layout of these INT8 weights, written once into the "
+                         "store at start")
         launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=weights.absolute(), adapter_dir=adapter,
                                       serve_python=recipe.toolchains.serve.python.absolute(),
                                       host=serving_host, check_files=False)
         document = {"argv": launch.argv, "env": launch.env}
         if launch.int8_threadpool_count is not None:
             document["int8_threadpool_count"] = launch.int8_threadpool_count
+        if notes:
+            document["notes"] = notes
     if as_json:
         _print_json(document)
     else:
         env_text = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in document["env"].items())
         out.print((env_text + " " if env_text else "") + shlex.join(document["argv"]), markup=False, soft_wrap=True)
+        for note in document.get("notes", []):
+            _say(f"note: {note}")
     return 0
 
 
@@ -509,12 +526,12 @@ def _version_number(text: str) -> int:
 
 def _production_weights(recipe) -> dict[str, Any]:
     """What a promotion serves an adapter on: the serving weights, and the base adapters train on."""
-    from ktflow.stages.weights import ensure_source, ensure_training_weights, serving_weights
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
 
     source = ensure_source(recipe)
     trained_on = ensure_training_weights(recipe, source=source)
-    model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=trained_on if trained_on != source
-                                            else None)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source, bf16_dir=trained_on
+                                                   if trained_on != source else None, log=_say)
     return {"model_dir": model_dir, "kt_weight_dir": kt_weights, "base_dir": trained_on}
 
 

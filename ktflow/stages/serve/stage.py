@@ -157,7 +157,7 @@ def _start_endpoint(
     child_env = {k: v for k, v in os.environ.items() if k != serving.api_key_env}
     if serving.backend == "sglang":
         launch = _sglang_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, kt_weight_dir=kt_weight_dir,
-                                record_dir=record_dir, port=port, host=host)
+                                record_dir=record_dir, port=port, host=host, log=log)
     else:
         launch = _llamafactory_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
                                       port=port)
@@ -259,7 +259,10 @@ def serve(
     ``llamafactory`` (CPU): LlamaFactory's API with the adapter merged at load. ``sglang``: sglang-kt
     in the serving toolchain with the launch :func:`ktflow.stages.sglang_launch.render_sglang_launch`
     renders (``kt_weight_dir`` holds the CPU expert weights for ``serving.kt_method``; ``host`` is
-    the HostInfo to check it against, default this host's probe), ready on ``/health``.
+    the HostInfo to check it against, default this host's probe), ready on ``/health``; the model
+    and the experts as sglang-kt reads them (:mod:`ktflow.stages.serve.sglang_inputs`: a view of a
+    checkpoint it cannot load as it is, the ``.kt`` layout of AMXINT8 experts served with an expert
+    LoRA), made at the first start and said in ``log``.
 
     Args:
         adapter_dir: the LoRA adapter to serve (PEFT; merged at load), or None for the base model.
@@ -357,6 +360,12 @@ def swap_adapter(
     good, good_previous = _last_good(current, record_dir)
     port = current.port or _recipe_port(recipe, log)
     _server_python(recipe)  # a missing toolchain is refused while the old server still serves
+    if sglang and kt_weight_dir is not None:
+        # what sglang-kt is given (a model view, the AMXINT8 .kt layout) is made while the old server still serves
+        from ktflow.stages.serve.sglang_inputs import sglang_inputs
+
+        sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=new_adapter_dir,
+                      record_dir=record_dir, log=log)
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)
