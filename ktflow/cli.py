@@ -146,6 +146,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             notes.append(f"{s.stage} time: {s.time_basis}")
         if s.candidate:
             notes.append(f"{s.stage}: {s.candidate}")
+        if s.candidate_prices:
+            notes.append(f"{s.stage}: each mode on this host: " + "; ".join(s.candidate_prices))
     out.print(table)
     for note in notes:
         out.print(note)
@@ -630,10 +632,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         raise InvalidInputError(recipe.serving.api_key_env, "no API key for the endpoint",
                                 f"export {recipe.serving.api_key_env}=<the server's key>")
-    result = evaluate_base_vs_tuned(recipe, model_dir=ensure_training_weights(recipe), tuned_url=args.endpoint,
-                                    tuned_model=adapter_model_name(recipe), api_key=key,
+    # sglang: the base model is a server of its own (sglang-kt without an adapter), its experts the serving ones
+    weights = _production_weights(recipe) if recipe.serving.backend == "sglang" else None
+    result = evaluate_base_vs_tuned(recipe, model_dir=weights["base_dir"] if weights else ensure_training_weights(recipe),
+                                    tuned_url=args.endpoint, tuned_model=adapter_model_name(recipe), api_key=key,
                                     out_dir=recipe.store.layout.evaluation(recipe.name).absolute(),
-                                    log=lambda line: err.print(line, markup=False, highlight=False))
+                                    log=lambda line: err.print(line, markup=False, highlight=False),
+                                    kt_weight_dir=weights["kt_weight_dir"] if weights else None)
     out.print(result.table, markup=False)
     overlap = result.contamination
     out.print(overlap.summary() + (f": {overlap.named()}" if overlap.count else ""), markup=False)
