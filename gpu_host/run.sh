@@ -7,10 +7,12 @@
 #                                       fixture-big sft-big hf-big convert-big kill-big resume-big report-big
 #                                       big-reduced (the same code at reduced size: fixture, 4 KT steps, convert)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
-#                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`)
+#                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
+#                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
 #                                       pack-adapter-NAME (the converted adapter into $RESULTS_OUT, for later calls)
-#                                       int8-NAME (ktflow quantize-int8 of NAME's BF16 base, T=1, + the .kt layout
-#                                       sglang-kt's AMXINT8 expert LoRA path reads: $B/served-int8/NAME)
+#                                       int8-NAME (ktflow quantize-int8 of NAME's BF16 base, T=1: $B/store/int8/NAME;
+#                                       the serve stage writes the .kt layout sglang-kt's AMXINT8 expert LoRA path
+#                                       reads itself, once, into the store)
 #
 # Inputs (made on a machine with network, carried in ignored paths):
 #   build/gpu-host/parts/bundle.tar.gz.NN   gpu_host/build_bundle.py (the KT training toolchain)
@@ -187,12 +189,17 @@ recipe_base() {  # the source checkpoint a recipe names (its relative paths mean
 
 step_serve() {  # serve VIA NAME; SERVE_RECIPE / SERVE_MODEL / SERVE_KT_WEIGHTS / SERVE_ADAPTER / SERVE_RECORDS /
                 # SERVE_TOKENS / SERVE_SET override the defaults (the tiny-sglang-NAME recipe, its source, ...)
+                # VIA cli: `ktflow serve RECIPE` finds, converts (and for AMXINT8 quantizes) everything itself in
+                # the recipe's store; the paths below then only say where the queries read the tokenizer from
   local via=$1 name=$2 t=$(date +%s) rc=0 base src recipe kt
   recipe=${SERVE_RECIPE:-gpu_host/tiny-sglang-${name}.yaml}
   src=${SERVE_MODEL:-$(recipe_base "$recipe")}
-  # the GPU side: the base as sglang-kt loads it (serve_check.py served-model); the KT CPU experts: the source
-  # checkpoint itself (RAWINT4 reads the Kimi INT4 tensors natively, BF16/AMXBF16 its BF16 experts)
-  base=$(python3 gpu_host/serve_check.py served-model "$src" "$B/served-models/$name")
+  # the GPU side: the source checkpoint (ktflow's serve stage gives sglang-kt a view of it where sglang-kt cannot
+  # load it as it is: the DeepSeek-V3 config fields a transformers-saved config lacks, the language model of a
+  # Kimi-K2.5 checkpoint with a vision stand-in); the KT CPU experts: the source checkpoint itself (RAWINT4 reads
+  # the Kimi INT4 tensors natively, BF16/AMXBF16 its BF16 experts), or SERVE_KT_WEIGHTS (AMXINT8: quantize-int8's
+  # output, whose .kt layout the serve stage writes when the adapter carries an expert LoRA)
+  base=$src
   kt=${SERVE_KT_WEIGHTS:-$src}
   local tokens=${SERVE_TOKENS:-}  # the training tokenization (losscheck-NAME's, or carried): the served loss too
   [ -z "$tokens" ] && [ -f "$RES/tokens-$name.json" ] && tokens="$RES/tokens-$name.json"
@@ -207,14 +214,15 @@ step_serve() {  # serve VIA NAME; SERVE_RECIPE / SERVE_MODEL / SERVE_KT_WEIGHTS 
   return "$rc"
 }
 
-step_int8() {  # int8 NAME: ktflow quantize-int8 of NAME's BF16 base (T = INT8_T, default 1), then the .kt layout
+step_int8() {  # int8 NAME: ktflow quantize-int8 of NAME's BF16 base (T = INT8_T, default 1) into $B/store/int8/NAME
+  # (serve-NAME with SERVE_KT_WEIGHTS=$B/store/int8/NAME: the serve stage writes the .kt layout itself;
+  # serve-cli-NAME with serving.kt_method=AMXINT8 runs quantize-int8 itself, where the recipe's store keeps it)
   local name=$1 t=$(date +%s) rc=0 base out=$B/store/int8/$1
   base=$(base_of "$name")
   local py=${INT8_PY:-$PY}  # any python with kt-kernel + ktflow's deps: the KT bundle's, or the serving bundle's
   "$py" -m ktflow.cli quantize-int8 "$base" "$out" --threadpool-count "${INT8_T:-1}" --serve-python "$py" 2>&1 \
       | tee "$RES/quantize-int8-$name.log" || rc=$?
-  [ "$rc" = 0 ] && { cp "$out/manifest.json" "$RES/int8-manifest-$name.json" 2>/dev/null || true
-                     python3 gpu_host/serve_check.py int8-kt-layout "$out" "$B/served-int8/$name" || rc=$?; }
+  [ "$rc" = 0 ] && { cp "$out/manifest.json" "$RES/int8-manifest-$name.json" 2>/dev/null || true; }
   stamp "int8-$name" "$t" "$rc"
   return "$rc"
 }

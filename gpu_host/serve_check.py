@@ -1,28 +1,20 @@
 #!/usr/bin/env python3
 """Serve a recipe with SGLang for real on the GPU host and check it through its own API (gpu_host/run.sh serve-*).
 
-    serve_check.py served-model BASE OUT
-        BASE as sglang-kt can load it: a transformers-saved DeepSeek-V3 config.json lacks fields the published
-        checkpoints carry (moe_layer_freq, topk_method, scoring_func); OUT links BASE's files with those added.
-        A Kimi-K2.5-format checkpoint whose vision part is ktflow's stand-in (not MoonViT, which sglang-kt's
-        KimiK25ForConditionalGeneration builds and loads by name) is served as its language model: OUT is the
-        DeepSeek-V3 text model (text_config, the same INT4 compressed-tensors tensors without the
-        ``language_model.`` prefix, no vision tensors): what sglang-kt's Kimi K2.5 class hands its
-        DeepseekV3ForCausalLM. The KT experts still come from BASE itself (--kt-weight-path, RAWINT4).
-    serve_check.py int8-kt-layout INT8_DIR OUT
-        ktflow quantize-int8's output as sglang-kt's AMXINT8 expert LoRA path reads it: kt-kernel 0.7.2's
-        AMXINT8_SFT wrapper loads only pre-quantized ``_layer_L/_numa_N/INT8_*.kt`` files (kt-kernel's cpu_save
-        layout), never the ``blk.*`` safetensors; OUT links INT8_DIR's files and writes each packed slice back
-        into that layout, byte for byte (the safetensors hold exactly the bytes cpu_save wrote).
     serve_check.py env OUT.json
         What the serving toolchain finds on this host: torch/CUDA/nvcc, and whether each piece of the
         server imports (sgl_kernel's compiled ops, flashinfer, tvm-ffi, sglang's HTTP server, kt-kernel).
     serve_check.py run --recipe R --model M --kt-weights W --adapter A --records JSONL --out DIR [--via stage|cli]
         Start the recipe's endpoint through ktflow's serve stage (``--via stage``: ktflow.stages.serve.serve()
         with these paths; ``--via cli``: ``ktflow serve R``, which finds the trained adapter in the recipe's
-        store and converts it), i.e. the argv ktflow.stages.sglang_launch renders, health-gated and
-        smoke-tested; then ask it through the openai client (models, chat, completions) and SGLang's /generate
-        with ``return_logprob`` + ``logprob_start_len: 0``: the prompt logprobs of the first records (chat
+        store and converts it, and for AMXINT8 runs quantize-int8 itself; M, W and A are then only what the
+        queries read the tokenizer from), i.e. the argv ktflow.stages.sglang_launch renders, health-gated and
+        smoke-tested, with what the serve stage prepares for sglang-kt (ktflow.stages.serve.sglang_inputs:
+        the language-model view of a Kimi-K2.5 checkpoint whose vision part sglang-kt cannot build, the
+        DeepSeek-V3 config fields a transformers-saved config lacks, kt-kernel's .kt layout of AMXINT8
+        experts served with an expert LoRA; done here by hand before, with the ``served-model`` and
+        ``int8-kt-layout`` steps); then ask it through the openai client (models, chat, completions) and
+        SGLang's /generate with ``return_logprob`` + ``logprob_start_len: 0``: the prompt logprobs of the first records (chat
         template) and, with ``--tokens`` (gpu_host/loss_check.py tokens' file: the training tokenization), the
         served loss over every label token, loss_check.py's figure through SGLang. Requests for the base model
         are tried too and recorded: sglang-kt 0.7.2 refuses them on a server whose KT expert LoRA is loaded
@@ -39,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -147,188 +138,6 @@ def cmd_env(args: argparse.Namespace) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
     return 0 if all(v.get("ok") for v in out.values() if isinstance(v, dict)) else 1
-
-
-# --------------------------------------------------------------------------- served-model
-
-# What the config.json of DeepSeek-V3 (and Kimi K2/K2.5, its architecture) as published carries and sglang-kt's
-# deepseek_v2.py reads without a default, but transformers' DeepseekV3Config does not keep (a checkpoint that
-# transformers saved, as ktflow's fixtures are, lacks them): the values of deepseek-ai/DeepSeek-V3's config.json,
-# which are also what transformers' DeepseekV3 computes (sigmoid scores, bias-corrected top-k, every layer past
-# first_k_dense_replace a MoE layer).
-DEEPSEEK_V3_CONFIG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-
-
-# What sglang-kt's MoonViT3dPretrainedModel reads from a Kimi K2.5 vision_config (the real checkpoint has them;
-# ktflow's Kimi-K2.5 fixture has a few small stand-in modules instead, which that class cannot load).
-MOONVIT_CONFIG_FIELDS = ("merge_kernel_size", "init_pos_emb_height", "num_hidden_layers", "vt_hidden_size")
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-TEXT_PREFIX = "language_model."
-
-
-def _read_st_header(path: Path) -> tuple[dict[str, Any], int]:
-    """A safetensors file's JSON header and the offset where its data starts."""
-    with path.open("rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n)), 8 + n
-
-
-def _copy_range(src, dst, start: int, nbytes: int) -> None:
-    src.seek(start)
-    while nbytes:
-        chunk = src.read(min(nbytes, 1 << 24))
-        if not chunk:
-            raise ValueError(f"{src.name}: truncated")
-        dst.write(chunk)
-        nbytes -= len(chunk)
-
-
-def _write_renamed_shard(src: Path, dst: Path, rename) -> list[str]:
-    """Copy ``src`` to ``dst`` keeping the tensors ``rename(name)`` maps to a name (None drops it), bytes unchanged."""
-    header, data_start = _read_st_header(src)
-    kept, offset = {}, 0
-    order = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
-    plan = []
-    for name, info in order:
-        new = rename(name)
-        if new is None:
-            continue
-        start, end = info["data_offsets"]
-        kept[new] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + end - start]}
-        plan.append((data_start + start, end - start))
-        offset += end - start
-    if "__metadata__" in header:
-        kept = {"__metadata__": header["__metadata__"], **kept}
-    raw = json.dumps(kept, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with src.open("rb") as f, dst.open("wb") as g:
-        g.write(len(raw).to_bytes(8, "little"))
-        g.write(raw)
-        for start, nbytes in plan:
-            _copy_range(f, g, start, nbytes)
-    return [k for k in kept if k != "__metadata__"]
-
-
-def _kimi_stand_in(config: dict) -> bool:
-    """A Kimi-K2.5-format config whose vision part is not MoonViT (ktflow's fixture stand-in)."""
-    vision = config.get("vision_config")
-    return (str(config.get("model_type", "")).startswith("kimi_k25") and isinstance(vision, dict)
-            and not all(k in vision for k in MOONVIT_CONFIG_FIELDS) and isinstance(config.get("text_config"), dict))
-
-
-def _served_text_model(base: Path, out: Path, config: dict) -> dict[str, Any]:
-    """OUT: BASE's language model as a DeepSeek-V3 checkpoint (see the module docstring); what changed."""
-    text = dict(config["text_config"])
-    added = {k: v for k, v in DEEPSEEK_V3_CONFIG_FIELDS.items() if k not in text}
-    text.update(added)
-    text["architectures"] = ["DeepseekV3ForCausalLM"]
-    for key in ("tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id"):
-        if key in config and key not in text:
-            text[key] = config[key]
-    index = json.loads((base / "model.safetensors.index.json").read_text())
-
-    def rename(name: str) -> str | None:
-        if name.startswith(VISION_PREFIXES):
-            return None
-        return name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
-
-    weight_map = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        for name in _write_renamed_shard(base / shard, out / shard, rename):
-            weight_map[name] = shard
-    dropped = len(index["weight_map"]) - len(weight_map)
-    index = {**index, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    skip = {"config.json", "model.safetensors.index.json", *set(index["weight_map"].values())}
-    for f in base.iterdir():
-        if f.name not in skip and not f.name.endswith(".py"):  # the stand-in's remote code is not needed
-            (out / f.name).symlink_to(f)
-    (out / "config.json").write_text(json.dumps(text, indent=2) + "\n")
-    return {"text_model_of": "KimiK25ForConditionalGeneration (vision stand-in, not MoonViT)",
-            "architectures": text["architectures"], "dropped_vision_tensors": dropped,
-            "renamed": f"{TEXT_PREFIX}* -> *", "added": added}
-
-
-def cmd_served_model(args: argparse.Namespace) -> int:
-    """OUT: BASE's files (symlinks) with config.json given the DeepSeek-V3 fields it lacks; BASE itself if none.
-    A Kimi-K2.5 checkpoint with ktflow's vision stand-in: OUT is its language model (a DeepSeek-V3 checkpoint)."""
-    base, out = Path(args.base).absolute(), Path(args.out).absolute()
-    config = json.loads((base / "config.json").read_text())
-    if _kimi_stand_in(config):
-        if out.exists():
-            for f in out.iterdir():
-                f.unlink()
-        out.mkdir(parents=True, exist_ok=True)
-        what = _served_text_model(base, out, config)
-        (out / "ktflow-served-config.json").write_text(json.dumps({"base": str(base), **what}, indent=1) + "\n")
-        print(f"{base} is a Kimi-K2.5 checkpoint with a vision stand-in: serving its language model {out} ({what})",
-              file=sys.stderr)
-        print(out)
-        return 0
-    text = config.get("text_config", config)
-    deepseek = str(text.get("model_type", "")).startswith(("deepseek_v3", "kimi")) or any(
-        "DeepseekV3" in a for a in config.get("architectures") or [])
-    added = {k: v for k, v in DEEPSEEK_V3_CONFIG_FIELDS.items() if deepseek and k not in text}
-    if not added:
-        print(base)
-        return 0
-    if out.exists():
-        for f in out.iterdir():
-            f.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    for f in base.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    text.update(added)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "ktflow-served-config.json").write_text(json.dumps({"base": str(base), "added": added}, indent=1) + "\n")
-    print(f"config.json of {base} lacks {sorted(added)}: serving {out} (added {added})", file=sys.stderr)
-    print(out)
-    return 0
-
-
-# --------------------------------------------------------------------------- int8-kt-layout
-
-_INT8_KEY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
-KT_INT8_TAG = "INT8"  # kt-kernel's method tag in .kt names (ktflow._drivers.kt_int8.KT_FILE_TAG)
-
-
-def kt_int8_file(layer: int, numa: int, proj: str, expert: int, nbytes: int, kind: str) -> str:
-    """kt-kernel cpu_save's name for one slice (ktflow._drivers.kt_int8.kt_file, relative)."""
-    return f"_layer_{layer}/_numa_{numa}/{KT_INT8_TAG}_{proj}_{expert}_{nbytes}Byte_{kind}_.kt"
-
-
-def cmd_int8_kt_layout(args: argparse.Namespace) -> int:
-    """OUT: INT8_DIR's files (links) plus ``_layer_L/_numa_N/INT8_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt``."""
-    src, out = Path(args.int8_dir).absolute(), Path(args.out).absolute()
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    for f in src.iterdir():
-        (out / f.name).symlink_to(f)
-    files = slices = 0
-    for shard in sorted(src.glob("*.safetensors")):
-        header, data_start = _read_st_header(shard)
-        with shard.open("rb") as f:
-            for name, info in header.items():
-                m = _INT8_KEY.match(name)
-                if m is None:
-                    continue
-                layer, proj, expert, numa, kind = int(m[1]), m[2], int(m[3]), int(m[4]), m[5]
-                start, end = info["data_offsets"]
-                dst = out / kt_int8_file(layer, numa, proj, expert, end - start, "quant" if kind == "weight" else "scale")
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                with dst.open("wb") as g:
-                    _copy_range(f, g, data_start + start, end - start)
-                slices += 1
-        files += 1
-    layers = sorted(int(p.name.removeprefix("_layer_")) for p in out.glob("_layer_*"))
-    summary = {"int8_dir": str(src), "shards_read": files, "kt_files": slices, "layers": layers}
-    (out / "ktflow-kt-layout.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary), file=sys.stderr)
-    print(out)
-    return 0 if slices else 1
 
 
 # --------------------------------------------------------------------------- run
@@ -526,7 +335,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             results["server_processes"] = len(pids)
         except Exception:  # noqa: BLE001
             pass
-        results["queries"] = _queries(recipe, endpoint.url, key, Path(args.model).absolute(),
+        # the tokenizer as the server read it: the model view the serve stage made, if it made one
+        from ktflow.stages.serve.sglang_inputs import sglang_model_view
+        served_dir = sglang_model_view(Path(args.model), record_dir, create=False)
+        results["served_model_dir"] = str(served_dir)
+        results["queries"] = _queries(recipe, endpoint.url, key, served_dir if served_dir.is_dir() else args.model,
                                       _records(Path(args.records), args.n_records), log,
                                       tokens=Path(args.tokens).absolute() if args.tokens else None)
         status = 0
@@ -580,15 +393,8 @@ def main() -> int:
     r.add_argument("--n-records", type=int, default=8)
     r.add_argument("--tokens", help="gpu_host/loss_check.py tokens output: also the served loss over those tokens")
     r.add_argument("--set", action="append", help="recipe override KEY=VALUE (as ktflow's --set)")
-    m = sub.add_parser("served-model", help="the base with the DeepSeek-V3 config fields sglang-kt needs")
-    m.add_argument("base")
-    m.add_argument("out")
-    k = sub.add_parser("int8-kt-layout", help="quantize-int8's output with kt-kernel's .kt files (AMXINT8 + LoRA)")
-    k.add_argument("int8_dir")
-    k.add_argument("out")
     args = ap.parse_args()
-    return {"env": cmd_env, "run": cmd_run, "served-model": cmd_served_model,
-            "int8-kt-layout": cmd_int8_kt_layout}[args.cmd](args)
+    return {"env": cmd_env, "run": cmd_run}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             notes.append(f"{s.stage} time: {s.time_basis}")
         if s.candidate:
             notes.append(f"{s.stage}: {s.candidate}")
+        if s.candidate_prices:
+            notes.append(f"{s.stage}: each mode on this host: " + "; ".join(s.candidate_prices))
     out.print(table)
     for note in notes:
         out.print(note)
@@ -432,12 +434,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return _serve_dry_run(recipe, record_dir, as_json=args.json)
-    from ktflow.stages.weights import ensure_source, ensure_training_weights, serving_weights
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
 
     source = ensure_source(recipe)
     trained_on = ensure_training_weights(recipe, source=source)
     bf16 = trained_on if trained_on != source else None
-    model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=bf16)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source, bf16_dir=bf16, log=_say)
     from ktflow.stages.promotion import registry_of
 
     production = registry_of(recipe).production_version()
@@ -483,17 +485,34 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
                                   for i in range(recipe.serving.gpus)],
             "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
         })
+        notes = []
+        if (Path(model_dir) / "config.json").is_file():  # the view the serve stage gives sglang-kt, if any
+            from ktflow.stages.serve.sglang_inputs import model_view_plan, sglang_model_view
+
+            view = sglang_model_view(model_dir, record_dir, create=False)
+            if view != Path(model_dir).absolute():
+                notes.append(f"--model-path: a view of {model_dir} the serve stage makes at start "
+                             f"({model_view_plan(model_dir).reason})")  # type: ignore[union-attr]
+            model_dir = view
+        if recipe.serving.kt_method == "AMXINT8":
+            notes.append("--kt-weight-path: with an adapter that carries an expert LoRA (a KT SFT adapter), the "
+                         "serve stage serves kt-kernel's .kt layout of these INT8 weights, written once into the "
+                         "store at start")
         launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=weights.absolute(), adapter_dir=adapter,
                                       serve_python=recipe.toolchains.serve.python.absolute(),
                                       host=serving_host, check_files=False)
         document = {"argv": launch.argv, "env": launch.env}
         if launch.int8_threadpool_count is not None:
             document["int8_threadpool_count"] = launch.int8_threadpool_count
+        if notes:
+            document["notes"] = notes
     if as_json:
         _print_json(document)
     else:
         env_text = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in document["env"].items())
         out.print((env_text + " " if env_text else "") + shlex.join(document["argv"]), markup=False, soft_wrap=True)
+        for note in document.get("notes", []):
+            _say(f"note: {note}")
     return 0
 
 
@@ -509,12 +528,12 @@ def _version_number(text: str) -> int:
 
 def _production_weights(recipe) -> dict[str, Any]:
     """What a promotion serves an adapter on: the serving weights, and the base adapters train on."""
-    from ktflow.stages.weights import ensure_source, ensure_training_weights, serving_weights
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
 
     source = ensure_source(recipe)
     trained_on = ensure_training_weights(recipe, source=source)
-    model_dir, kt_weights = serving_weights(recipe, source_dir=source, bf16_dir=trained_on if trained_on != source
-                                            else None)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source, bf16_dir=trained_on
+                                                   if trained_on != source else None, log=_say)
     return {"model_dir": model_dir, "kt_weight_dir": kt_weights, "base_dir": trained_on}
 
 
@@ -613,10 +632,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         raise InvalidInputError(recipe.serving.api_key_env, "no API key for the endpoint",
                                 f"export {recipe.serving.api_key_env}=<the server's key>")
-    result = evaluate_base_vs_tuned(recipe, model_dir=ensure_training_weights(recipe), tuned_url=args.endpoint,
-                                    tuned_model=adapter_model_name(recipe), api_key=key,
+    # sglang: the base model is a server of its own (sglang-kt without an adapter), its experts the serving ones
+    weights = _production_weights(recipe) if recipe.serving.backend == "sglang" else None
+    result = evaluate_base_vs_tuned(recipe, model_dir=weights["base_dir"] if weights else ensure_training_weights(recipe),
+                                    tuned_url=args.endpoint, tuned_model=adapter_model_name(recipe), api_key=key,
                                     out_dir=recipe.store.layout.evaluation(recipe.name).absolute(),
-                                    log=lambda line: err.print(line, markup=False, highlight=False))
+                                    log=lambda line: err.print(line, markup=False, highlight=False),
+                                    kt_weight_dir=weights["kt_weight_dir"] if weights else None)
     out.print(result.table, markup=False)
     overlap = result.contamination
     out.print(overlap.summary() + (f": {overlap.named()}" if overlap.count else ""), markup=False)

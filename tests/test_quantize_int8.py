@@ -351,3 +351,134 @@ def test_driver_restarts_bound_kt_kernels_leak_and_change_nothing(fixture_dir, t
     assert many.layers_reused == 0 and seen == [(1, 2), (2, 2)]
     assert file_bytes(tmp_path / "many") == file_bytes(tmp_path / "one")
     assert many.manifest_digest == one.manifest_digest
+
+
+# Run in the serving toolchain: the .kt layout the serve stage writes (LAYOUT) against what kt-kernel's own
+# cpu_save writes for the same BF16 layer, then kt-kernel's AMXINT8_SFT wrapper (what sglang-kt builds for
+# AMXINT8 with an expert LoRA) loading LAYOUT directly, with a random expert LoRA, against a float64 MoE of
+# the BF16 weights plus that LoRA; and the same wrapper refusing quantize-int8's own output (INT8_DIR).
+_SFT_CHECK = textwrap.dedent("""
+    import filecmp, json, os, sys, tempfile
+    import torch
+    from safetensors import safe_open
+    import kt_kernel.experts_base as eb
+    import kt_kernel.sft.base as sb
+    from kt_kernel import KTMoEWrapper
+
+    layout, int8_dir, src_dir, T, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    if not torch.cuda.is_available():  # kt-kernel pins its host buffers; there is no CUDA here
+        class NoPin:
+            def __getattr__(self, name):
+                fn = getattr(torch, name)
+                if name not in ("zeros", "empty", "full", "ones"):
+                    return fn
+                return lambda *a, **k: fn(*a, **{x: y for x, y in k.items() if x != "pin_memory"})
+        eb.torch = sb.torch = NoPin()
+    torch.set_num_threads(1)
+    cfg = json.load(open(f"{src_dir}/config.json"))
+    E, k, H, I = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    index = json.load(open(f"{src_dir}/model.safetensors.index.json"))["weight_map"]
+    def tensor(name):
+        with safe_open(f"{src_dir}/{index[name]}", "pt") as f:
+            return f.get_tensor(name)
+    layers = sorted({int(n.split(".")[2]) for n in index if ".mlp.experts." in n})
+    common = dict(num_experts=E, num_experts_per_tok=k, hidden_size=H, moe_intermediate_size=I, gpu_experts_mask=None,
+                  cpuinfer_threads=2, threadpool_count=T, chunked_prefill_size=256)
+    rank, alpha = 4, 8.0
+    results = {"layers": {}}
+    for layer in layers:
+        p = f"model.layers.{layer}.mlp.experts"
+        w = {proj: torch.stack([tensor(f"{p}.{e}.{proj}_proj.weight") for e in range(E)]).contiguous()
+             for proj in ("gate", "up", "down")}
+        scratch = tempfile.mkdtemp()
+        saver = KTMoEWrapper(layer_idx=layer, weight_path=scratch, cpu_save=True, method="AMXINT8", **common)
+        saver.load_weights_from_tensors(w["gate"], w["up"], w["down"], torch.arange(E))
+        del saver
+        theirs = sorted(os.path.relpath(os.path.join(d, f), scratch) for d, _, fs in os.walk(scratch) for f in fs)
+        ours = sorted(os.path.relpath(os.path.join(d, f), layout) for d, _, fs in os.walk(f"{layout}/_layer_{layer}")
+                      for f in fs)
+        same = theirs == ours and all(filecmp.cmp(f"{scratch}/{f}", f"{layout}/{f}", shallow=False) for f in theirs)
+
+        sft = KTMoEWrapper(layer_idx=layer, weight_path=layout, method="AMXINT8_SFT", mode="sft", num_gpu_experts=0,
+                           lora_rank=rank, lora_alpha=alpha, max_cache_depth=1, **common)
+        sft.share_backward_bb = True  # as sglang-kt configures AMXINT8_SFT for serving
+        sft.load_weights(torch.arange(E))
+        g = torch.Generator().manual_seed(99 + layer)
+        shapes = {"gate_a": (E, rank, H), "gate_b": (E, I, rank), "up_a": (E, rank, H), "up_b": (E, I, rank),
+                  "down_a": (E, rank, I), "down_b": (E, H, rank)}
+        lora = {n: (torch.randn(*s, generator=g) * 0.05).bfloat16().contiguous() for n, s in shapes.items()}
+        sft.init_lora_weights(*(lora[n] for n in shapes), *(torch.zeros_like(lora[n]) for n in shapes))
+        x = torch.randn(tokens, H, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+        wt = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+        out = sft.forward(x, ids, wt, save_for_backward=False).double()
+        ref, base = torch.zeros(tokens, H, dtype=torch.float64), torch.zeros(tokens, H, dtype=torch.float64)
+        s = alpha / rank
+        for t in range(tokens):
+            xt = x[t].double()
+            for j in range(k):
+                e = int(ids[t, j])
+                m = {proj: w[proj][e].double() for proj in w}
+                d = {proj: s * lora[f"{proj}_b"][e].double() @ lora[f"{proj}_a"][e].double() for proj in w}
+                for into, delta in ((ref, 1.0), (base, 0.0)):
+                    gate, up, down = (m[proj] + delta * d[proj] for proj in ("gate", "up", "down"))
+                    into[t] += float(wt[t, j]) * (down @ (torch.nn.functional.silu(gate @ xt) * (up @ xt)))
+        err = lambda r: ((out - r).abs().mean() / r.abs().mean()).item()
+        results["layers"][layer] = {"kt_files": len(ours), "same_as_cpu_save": same, "direct_kt_load":
+                                    bool(getattr(sft, "_use_kt_direct_load", False)), "rel_err": err(ref),
+                                    "rel_err_without_lora": err(base)}
+        del sft
+    try:
+        plain = KTMoEWrapper(layer_idx=layers[0], weight_path=int8_dir, method="AMXINT8_SFT", mode="sft",
+                             num_gpu_experts=0, lora_rank=rank, lora_alpha=alpha, max_cache_depth=1, **common)
+        plain.load_weights(torch.arange(E))
+        results["plain_output"] = "loaded"
+    except Exception as exc:
+        results["plain_output"] = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@needs_serve_env
+@pytest.mark.int8_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [1, 2])
+def test_the_kt_layout_the_serve_stage_writes_is_kt_kernels_own_and_amxint8_sft_serves_it(t: int, fixture_dir,
+                                                                                           tmp_path: Path) -> None:
+    """sglang-kt serves AMXINT8 with an expert LoRA through kt-kernel's AMXINT8_SFT, which reads only the
+    ``.kt`` layout (GPU host, call 9). The one the serve stage writes from quantize-int8's output is, file for
+    file and byte for byte, what kt-kernel's own cpu_save writes for the same BF16 layer; AMXINT8_SFT loads it
+    directly and its forward with an expert LoRA matches a float64 MoE of the BF16 weights plus that LoRA
+    within 5 %; quantize-int8's output itself is refused by that wrapper."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ktflow.recipe import load_recipe
+    from ktflow.stages.serve.sglang_inputs import KT_LAYOUT_STAGE, sglang_kt_weights
+
+    src = fixture_dir("bf16")  # 3 layers (0 dense), 8 experts, hidden 256, moe_intermediate 128
+    out = tmp_path / "int8"
+    quantize_int8(src, out, threadpool_count=t, serve_python=SERVE_PYTHON)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    save_file({"base_model.model.model.layers.1.mlp.experts.0.up_proj.lora_A.weight": torch.zeros(8, 256)},
+              str(adapter / "adapter_model.safetensors"))
+    recipe = load_recipe(REPO / "gpu_host" / "tiny-sglang-bf16.yaml", [
+        "serving.kt_method=AMXINT8", f"serving.kt_threadpool_count={t}", f"store.root={tmp_path / 'store'}"])
+    layout = sglang_kt_weights(recipe, out, adapter)
+    assert layout != out and read_manifest(layout).stage == KT_LAYOUT_STAGE
+
+    done = subprocess.run([str(SERVE_PYTHON), "-c", _SFT_CHECK, str(layout), str(out), str(src), str(t), "16"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    print(f"\nT={t}: AMXINT8_SFT from the serve stage's .kt layout, with a random expert LoRA, vs float64 BF16 MoE "
+          f"+ LoRA: {result}")
+    assert set(result["layers"]) == {"1", "2"}
+    for figures in result["layers"].values():
+        assert figures["kt_files"] == 8 * t * 3 * 2
+        assert figures["same_as_cpu_save"] and figures["direct_kt_load"]
+        assert 0 < figures["rel_err"] < 0.05
+        assert figures["rel_err_without_lora"] > 2 * figures["rel_err"]  # the LoRA is applied, not ignored
+    assert "INT8_SFT requires pre-quantized .kt files" in result["plain_output"]

@@ -82,32 +82,40 @@ def test_the_production_pointer_moves_keeps_its_history_and_knows_where_rollback
 # --------------------------------------------------------------------------- candidate mode
 
 
-def _host(ram_gib: float):
-    from ktflow.host.hardware import HostInfo, NumaNode
+def _host(ram_gib: float, gpus: int = 0, vram_gib: float = 141):
+    from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 
     ram = int(ram_gib * GiB)
     return HostInfo(hostname="box", cpu_model="test", cpu_flags=[], cpu_variant="avx512_bf16",
                     cpu_variant_overridden=False, logical_cores=2, physical_cores=2, numa_nodes=1,
                     numa=[NumaNode(id=0, cpus=[0, 1], mem_total_bytes=ram, mem_free_bytes=ram)], ram_bytes=ram,
-                    ram_available_bytes=ram, gpus=[], disk_path="/store", disk_free_bytes=100 * GiB,
+                    ram_available_bytes=ram, disk_path="/store", disk_free_bytes=100 * GiB,
+                    gpus=[GpuInfo(index=i, name="H200", vram_bytes=int(vram_gib * GiB)) for i in range(gpus)],
                     shm_bytes=GiB, shm_free_bytes=GiB)
 
 
-def _sizes(parameters: int):
+def _sizes(parameters: int, kt_weight_bytes: int = 0):
     from ktflow.planning.sizing import ModelSize
     from ktflow.stages.serve import ServeSizes
 
     return ServeSizes(model=ModelSize(path="m", parameters=parameters, hidden_size=8, num_layers=1, vocab_size=8,
-                                      linear_shapes={}))
+                                      linear_shapes={}), kt_weight_bytes=kt_weight_bytes)
 
 
 @pytest.mark.parametrize(("recipe", "ram_gib", "running", "mode", "says"), [
-    # LlamaFactory's CPU server: a second one costs the model in BF16 again (8 GiB here).
-    ("tiny-demo", 12, True, "beside", "a second server: the model in BF16"),  # 8 more fit in 12 free
-    ("tiny-demo", 12, False, "swap", "; production: the model in BF16"),  # planned: 8 + 8 do not fit in 12
+    # LlamaFactory's CPU server: judging beside starts two more (the candidate's and the base model's), each the
+    # model in BF16 again (8 GiB here); swap one (the base model's).
+    ("tiny-demo", 20, True, "beside", "two more servers, the candidate's and the base model's, each with the model "
+                                      "in BF16"),  # 16 more fit in 20 free
+    ("tiny-demo", 12, True, "offline", "nothing fits beside production (judging the candidate needs ~16"),
+    ("tiny-demo", 12, False, "swap", "; production: the model in BF16"),  # planned: 16 + 8 and 8 + 8 exceed 12
     ("tiny-demo", 6, True, "swap", "the candidate serves in production's place"),
-    # sglang-kt: never a second server; offline generation when the model fits in RAM in BF16.
-    ("kimi-k2.5-rawint4", 64, True, "offline", "sglang-kt loads its adapter at startup"),
+    # sglang-kt (one adapter, loaded at start-up): beside is a second sglang-kt process (and one for the base
+    # model), each with its own copy of the CPU experts (40 GiB here); else offline when the model fits in RAM
+    # in BF16, else swap.
+    ("kimi-k2.5-rawint4", 96, True, "beside", "two more servers, the candidate's and the base model's, each with "
+                                              "the CPU experts as RAWINT4"),
+    ("kimi-k2.5-rawint4", 64, True, "offline", "nothing fits beside production (judging the candidate needs ~80"),
     ("kimi-k2.5-rawint4", 6, True, "swap", "nor offline generation"),
 ])
 def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recipe, ram_gib, running, mode,
@@ -115,8 +123,12 @@ def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recip
     from ktflow.stages.promotion import choose_candidate_mode
 
     recipe = load_recipe(REPO / f"recipes/{recipe}.yaml")
-    choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(ram_gib), production_running=running)
+    choice = choose_candidate_mode(recipe, _sizes(4 * GiB, 40 * GiB), _host(ram_gib), production_running=running)
     assert choice.mode == mode and says in choice.reason, choice
+    assert [p.mode for p in choice.prices] == ["beside", "offline", "swap"]
+    assert [p.servers for p in choice.prices] == [2, 0, 1]
+    if mode != "swap":  # chosen because it fits (swap is what is left when nothing does)
+        assert choice.problem is None and {p.mode: p for p in choice.prices}[mode].problem is None
 
 
 def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
@@ -125,7 +137,31 @@ def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
     recipe = load_recipe(REPO / "recipes/tiny-demo.yaml", ["evaluation.candidate=beside"])
     choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(6), production_running=True)
     assert choice.mode == "beside" and choice.reason.startswith("set by evaluation.candidate (though ")
-    assert "needs ~8.00 GiB of RAM" in choice.reason and choice.ram_bytes == 8 * GiB
+    assert "judging the candidate needs ~16" in choice.reason and choice.ram_bytes == 16 * GiB
+    assert choice.problem is not None and choice.problem in choice.reason
+
+
+@pytest.mark.parametrize(("overrides", "vram_gib", "fits", "says"), [
+    # kimi-k2.5-rawint4: 4 GPUs, mem_fraction_static 0.75; 32 GiB of non-expert BF16 weights: 8 GiB per GPU.
+    # production takes 0.75 of each GPU, the candidate's server 0.75 of the rest, the base model's 0.75 of that:
+    # 0.75 * 0.25^2 * 141 = 6.6 GiB < 8.
+    ([], 141, False, "leaves the last one 6.61 GiB, less than its non-expert weights in BF16 (8.00 GiB)"),
+    (["serving.mem_fraction_static=0.4"], 141, True, ""),  # 0.4 * 0.6^2 * 141 = 20.3 GiB
+    (["serving.mem_fraction_static=null"], 141, False, "serving.mem_fraction_static is unset"),
+    ([], 0, True, ""),  # a host without GPUs (a plan for the CPU side): GPU memory is not what is judged here
+])
+def test_a_second_sglang_kt_server_must_fit_the_gpu_memory_production_leaves(overrides, vram_gib, fits,
+                                                                              says) -> None:
+    from ktflow.stages.promotion import candidate_prices
+
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", overrides)
+    host = _host(4096, gpus=4 if vram_gib else 0, vram_gib=vram_gib)
+    beside, offline, swap = candidate_prices(recipe, _sizes(16 * GiB, 40 * GiB), host, production_running=True)
+    assert (beside.problem is None) == fits and says in (beside.problem or ""), beside
+    assert beside.gpu_bytes == 2 * 8 * GiB and beside.ram_bytes == 2 * 40 * GiB  # two servers' worth, per GPU
+    assert offline.problem is None and offline.gpu_bytes == 0 and offline.servers == 0
+    assert swap.servers == 1 and swap.gpu_bytes == 8 * GiB
+    assert "the candidate takes production traffic while judged" in swap.brief()
 
 
 def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> None:
@@ -139,6 +175,14 @@ def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> 
     [evaluate] = [s for s in plan.stages if s.stage == "evaluate"]
     assert "candidate judged swap" in evaluate.reason and "nothing fits beside production" in evaluate.reason
     assert evaluate.fits
+    # every mode priced: beside is two more sglang-kt processes (the candidate's, the base model's), each with
+    # its own copy of the CPU experts; swap one (the base model's, beside the candidate in production's place)
+    beside, offline, swap = evaluate.candidate_prices
+    assert beside.startswith("beside: +1.0 TiB RAM") and "2 more servers: does not fit" in beside
+    assert offline.startswith("offline: +1.9 TiB RAM") and "does not fit" in offline
+    assert swap.startswith("swap: +531.6 GiB RAM") and swap.endswith("the candidate takes production traffic while "
+                                                                      "judged: fits")
+    assert abs(evaluate.ram_bytes / GiB - 531.6) < 0.1  # the chosen mode's cost
     dynamic = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.dynamic_lora=true"])
     [evaluate] = [s for s in plan_recipe(dynamic, host).stages if s.stage == "evaluate"]
     assert "candidate judged beside" in evaluate.reason, evaluate.reason

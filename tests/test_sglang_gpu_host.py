@@ -1,6 +1,7 @@
 """The GPU host's SGLang serving kit, checked without a GPU: the serve recipe (the trained recipe plus a
 serving section whose launch sglang-kt's own parser accepts), the serving bundle builder's pins, trims and
-patches, the serve stage's environment for sglang-kt, and gpu_host/serve_check.py's served-model step.
+patches, the serve stage's environment for sglang-kt, and the model view the serve stage gives sglang-kt where a
+transformers-saved config lacks the DeepSeek fields it reads (done by hand with serve_check.py served-model before).
 The serving itself runs on the GPU host (gpu_host/run.sh serve-setup serve-bf16; docs/benchmarks/sglang-serve)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from ktflow.recipe import load_recipe
+from ktflow.stages.serve.sglang_inputs import ROUTING_FIELDS, model_view_plan, sglang_model_view
 from ktflow.stages.sglang_launch import OWNED_FLAGS, SERVER_ENV_DEFAULTS, render_sglang_launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,7 +23,6 @@ GPU_HOST = REPO / "gpu_host"
 sys.path.insert(0, str(GPU_HOST))
 
 import build_serve_bundle  # noqa: E402
-import serve_check  # noqa: E402
 
 SERVE_RECIPE = GPU_HOST / "tiny-sglang-bf16.yaml"
 TRAIN_RECIPE = GPU_HOST / "tiny-kt-bf16.yaml"
@@ -175,25 +176,65 @@ def test_serve_bundle_patches(tmp_path: Path) -> None:
             del sys.modules[mod]
 
 
-# --------------------------------------------------------------------------- serve_check.py served-model
+# --------------------------------------------------------------------------- the model as sglang-kt reads it
 
 
-def test_served_model_adds_the_deepseek_v3_fields_a_transformers_saved_config_lacks(fixture_dir, tmp_path: Path,
-                                                                                   capsys) -> None:
+def test_the_serve_stage_adds_the_deepseek_v3_fields_a_transformers_saved_config_lacks(fixture_dir,
+                                                                                     tmp_path: Path) -> None:
+    """sglang-kt reads moe_layer_freq, topk_method and scoring_func without a default (GPU host, call 4): the serve
+    stage gives it a view of the checkpoint with them added, nothing else changed, made once in the record dir."""
+    from test_sglang_launch import fake_host
+
+    from ktflow.stages.serve.sglang import _sglang_launch
+
     base = fixture_dir("bf16")
-    out = tmp_path / "served"
-    assert serve_check.main.__module__ == "serve_check"
-    args = type("A", (), {"base": str(base), "out": str(out)})
-    assert serve_check.cmd_served_model(args) == 0
-    served = Path(capsys.readouterr().out.strip())
+    record = tmp_path / "serving"
+    named = sglang_model_view(base, record, create=False)
+    abandoned = record / f".{named.name}.tmp-999999999-deadbeef"  # a start killed mid-copy (no such pid)
+    abandoned.mkdir(parents=True)
+    plan = model_view_plan(base)
+    assert plan is not None and plan.kind == "config" and plan.added == ROUTING_FIELDS["deepseek_v3"]
+    said: list[str] = []
+    served = sglang_model_view(base, record, log=said.append)
+    assert served == named and served.name.startswith("model-view-") and "lacks" in said[0]
     config = json.loads((served / "config.json").read_text())
-    assert served == out and {k: config[k] for k in serve_check.DEEPSEEK_V3_CONFIG_FIELDS} == \
-        serve_check.DEEPSEEK_V3_CONFIG_FIELDS
+    assert {k: config[k] for k in ROUTING_FIELDS["deepseek_v3"]} == ROUTING_FIELDS["deepseek_v3"]
     original = json.loads((base / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k not in serve_check.DEEPSEEK_V3_CONFIG_FIELDS} == original
+    assert {k: v for k, v in config.items() if k not in ROUTING_FIELDS["deepseek_v3"]} == original
     for f in base.iterdir():
-        if f.name != "config.json":
+        if f.name not in ("config.json", "manifest.json"):
             assert (served / f.name).resolve() == f.resolve()
+    assert [p.name for p in record.iterdir()] == [served.name]  # no staging dir left behind
+    stamp = (served / "config.json").stat().st_mtime_ns
+    assert sglang_model_view(base, record) == served and (served / "config.json").stat().st_mtime_ns == stamp
+    assert sglang_model_view(base, tmp_path / "elsewhere", create=False).parent == tmp_path / "elsewhere"
+    assert not (tmp_path / "elsewhere").exists()  # create=False only names it
     # a config that has them (a published checkpoint's) is served as it is
-    assert serve_check.cmd_served_model(type("A", (), {"base": str(served), "out": str(tmp_path / "again")})) == 0
-    assert Path(capsys.readouterr().out.strip()) == served
+    assert model_view_plan(served) is None and sglang_model_view(served, record) == served
+
+    # the serve stage: the launch names the view, and the experts still come from the checkpoint itself
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    r = load_recipe(SERVE_RECIPE, [f"toolchains.serve.python={sys.executable}"])
+    launch = _sglang_launch(r, model_dir=base, adapter_dir=adapter, kt_weight_dir=base, record_dir=record,
+                            port=r.serving.port, host=fake_host(cores=16, gpus=1, numa=1))
+    args = launch.argv[3:]
+    assert args[args.index("--model-path") + 1] == str(served)
+    assert args[args.index("--kt-weight-path") + 1] == str(base)
+
+
+@pytest.mark.parametrize(("config", "added"), [
+    ({"model_type": "deepseek_v3", "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}, None),
+    ({"model_type": "deepseek_v2", "topk_method": "greedy"}, {"moe_layer_freq": 1, "scoring_func": "softmax"}),
+    ({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}, ROUTING_FIELDS["deepseek_v3"]),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, None),  # not a DeepSeek: as it is
+    ({"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", "scoring_func": "sigmoid"},
+      "vision_config": {"merge_kernel_size": [2, 2], "init_pos_emb_height": 64, "num_hidden_layers": 27,
+                        "vt_hidden_size": 1152}}, {"moe_layer_freq": 1, "topk_method": "noaux_tc"}),
+])
+def test_which_configs_get_the_deepseek_fields(tmp_path: Path, config: dict, added: dict | None) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = model_view_plan(tmp_path)
+    assert (plan.added if plan else None) == added and (plan is None or plan.kind == "config")

@@ -122,7 +122,8 @@ def test_rawint4_command_line(weights, adapter: Path) -> None:
     ]
     assert launch.int8_threadpool_count is None
     assert launch.api_key_env == "KTFLOW_API_KEY"
-    assert launch.env == {"PYTHONUNBUFFERED": "1"}
+    # sglang-kt reads the checkpoint's own config.json only with this (the rendered launch, so --dry-run shows it)
+    assert launch.env == {"PYTHONUNBUFFERED": "1", "SGLANG_APPLY_CONFIG_BACKUP": "none"}
 
 
 def test_kt_cpuinfer_set_in_the_recipe_and_extra_args_last(weights, adapter: Path, tmp_path: Path) -> None:
@@ -474,3 +475,22 @@ def test_launcher_passes_the_key_inside_the_server_only(sglang_kt, weights, adap
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
     assert "KTFLOW_TEST_KEY is unset or empty" in done.stderr
+
+
+def test_serve_dry_run_shows_the_server_environment_and_the_model_view(monkeypatch, capsys, fixture_dir,
+                                                                        tmp_path: Path) -> None:
+    """`ktflow serve --dry-run` renders what the serve stage starts: SGLANG_APPLY_CONFIG_BACKUP=none in the env,
+    and, for a checkpoint sglang-kt cannot load as it is, the view the serve stage will make (named, not made)."""
+    from ktflow.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the command works in the recipe's project directory; this brings us back
+    base = fixture_dir("bf16")  # a transformers-saved DeepSeek-V3 config: no moe_layer_freq & co.
+    recipe_file = REPO / "gpu_host" / "tiny-sglang-bf16.yaml"
+    assert main(["serve", str(recipe_file), "--dry-run", "--json", "--set", f"source.local_path={base}",
+                 "--set", f"store.root={tmp_path / 'store'}"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["env"]["SGLANG_APPLY_CONFIG_BACKUP"] == "none"
+    model_path = Path(doc["argv"][doc["argv"].index("--model-path") + 1])
+    assert model_path.parent == tmp_path / "store" / "serving" / "tiny-kt-bf16"
+    assert model_path.name.startswith("model-view-") and not model_path.exists()
+    assert "lacks" in doc["notes"][0] and doc["argv"][doc["argv"].index("--kt-weight-path") + 1] == str(base)

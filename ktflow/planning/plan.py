@@ -54,6 +54,7 @@ class StageEstimate(BaseModel):
     step_seconds: float | None = None  # sft: one optimizer step, predicted
     time_basis: str = ""
     candidate: str = ""  # evaluate: how a retrained adapter is judged here, and why
+    candidate_prices: list[str] = []  # evaluate: what each mode (beside, offline, swap) costs here, and if it fits
     fits: bool = True
     problems: list[str] = []
     pools: list[str] = []  # the work pools (hosts) that run it when distributed; each makes its own copy
@@ -227,19 +228,20 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
 def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize
                        ) -> tuple[RamNeed | None, GpuNeed | None]:
     """How a candidate is judged on ``host`` (``evaluation.candidate`` or the choice from its memory),
-    and what that costs beside production: the serve stage's own declaration of a candidate."""
+    what that costs beside production (the serve stage's own declaration of a candidate), and what
+    each of the three modes would cost there (``candidate_prices``)."""
     from ktflow.stages.promotion import choose_candidate_mode
-    from ktflow.stages.serve import ServeSizes, candidate_needs
+    from ktflow.stages.serve import ServeSizes
 
     sizes = ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size))
     choice = choose_candidate_mode(recipe, sizes, host, production_running=False)
     line.candidate = f"candidate judged {choice.mode}: {choice.reason}"
     line.reason += f"; {line.candidate}"
-    if recipe.evaluation.candidate is None:  # chosen to fit: shown, not checked again
-        line.ram_bytes, line.gpu_bytes = choice.ram_bytes, choice.gpu_bytes
-        return None, None
-    needs = candidate_needs(recipe, sizes, choice.mode)
-    return needs.ram, needs.gpu
+    line.candidate_prices = [p.brief() for p in choice.prices]
+    line.ram_bytes, line.gpu_bytes = choice.ram_bytes, choice.gpu_bytes
+    if recipe.evaluation.candidate is not None and choice.problem:  # chosen by the recipe: checked
+        line.problems.append(f"candidate {choice.mode}: {choice.problem}")
+    return None, None
 
 
 def _kt_bytes(recipe: Recipe, size: ModelSize) -> int:

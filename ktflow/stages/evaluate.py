@@ -472,7 +472,7 @@ def evaluate_base_vs_tuned(
     recipe: Recipe, *, model_dir: Path, tuned_url: str, tuned_model: str, api_key: str, out_dir: Path,
     base_url: str | None = None, base_model: str | None = None, production: ServedModel | None = None,
     production_version: int | None = None, candidate_version: int | None = None, candidate_mode: str | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, kt_weight_dir: Path | None = None,
 ) -> EvaluationResult:
     """Evaluate the tuned endpoint against the base model and write the report into ``out_dir``.
 
@@ -480,7 +480,9 @@ def evaluate_base_vs_tuned(
     server, a temporary one is started for the base model on a free port (same key, bound like
     the recipe's endpoint, started with ``die_with_parent``) and stopped at the end. The two
     servers run side by side: the adapter check compares answers of both to the same prompts,
-    and the tuned endpoint keeps serving throughout. Each model is evaluated in turn, with
+    and the tuned endpoint keeps serving throughout. (sglang: the base server is sglang-kt without
+    an adapter, its CPU experts from ``kt_weight_dir``; sglang-kt refuses base requests on a server
+    whose expert LoRA is loaded.) Each model is evaluated in turn, with
     ``evaluation.concurrency`` requests in flight. ``production`` (the adapter serving now, when
     the tuned one is a candidate beside it) is asked the same prompts and reported beside them.
 
@@ -500,7 +502,8 @@ def evaluate_base_vs_tuned(
     records = load_eval_records(cfg)
     contamination = _log_contamination(recipe, records, log)
     with _base_endpoint(recipe, model_dir=model_dir, api_key=api_key, record_dir=Path(out_dir).absolute() / "base-endpoint",
-                        base_url=base_url, base_model=base_model, log=log) as (base_url, base_model):
+                        base_url=base_url, base_model=base_model, log=log,
+                        kt_weight_dir=kt_weight_dir) as (base_url, base_model):
         if log:
             log(f"evaluating {len(records)} records: base {base_model}, tuned {tuned_model}"
                 + (f", production {production.model}" if production else ""))
@@ -556,23 +559,26 @@ def judge(recipe: Recipe, *, base: EvalReport, tuned: EvalReport, production: Ev
 
 @contextlib.contextmanager
 def _base_endpoint(recipe: Recipe, *, model_dir: Path, api_key: str, record_dir: Path, base_url: str | None,
-                   base_model: str | None, log: Callable[[str], None] | None) -> Iterator[tuple[str, str]]:
+                   base_model: str | None, log: Callable[[str], None] | None,
+                   kt_weight_dir: Path | None = None) -> Iterator[tuple[str, str]]:
     """``(url, model)`` of the base model: ``base_url`` when given, else a temporary server on a free
     port (same key, started with ``die_with_parent``), stopped on the way out."""
     if base_url is not None:
         yield base_url, base_model or recipe.serving.served_model_name
         return
     with temporary_server(recipe, model_dir=model_dir, adapter_dir=None, api_key=api_key, record_dir=record_dir,
-                          what="base-model", log=log) as served:
+                          what="base-model", log=log, kt_weight_dir=kt_weight_dir) as served:
         yield served.url, served.model
 
 
 @contextlib.contextmanager
 def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, api_key: str, record_dir: Path,
-                     what: str, log: Callable[[str], None] | None) -> Iterator[ServedModel]:
+                     what: str, log: Callable[[str], None] | None,
+                     kt_weight_dir: Path | None = None) -> Iterator[ServedModel]:
     """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
     same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
-    the evaluation, even when we are killed), stopped on the way out."""
+    the evaluation, even when we are killed), stopped on the way out. sglang: a second sglang-kt
+    process (its own copy of the CPU experts from ``kt_weight_dir``) beside production's."""
     from ktflow.stages import serve as serving
 
     try:
@@ -580,7 +586,8 @@ def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | Non
         if log:
             log(f"starting a {what} server on port {port}")
         endpoint = serving.serve(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
-                                 api_key=api_key, port=port, log=log, die_with_parent=True)
+                                 api_key=api_key, port=port, log=log, die_with_parent=True,
+                                 kt_weight_dir=kt_weight_dir)
         yield ServedModel(url=endpoint.url, model=endpoint.model or recipe.serving.served_model_name)
     finally:
         serving.stop(record_dir)
@@ -626,14 +633,16 @@ class Candidate(BaseModel):
 def evaluate_candidate(
     recipe: Recipe, *, mode: str, model_dir: Path, serve_model_dir: Path, candidate: Candidate,
     production: Any = None, production_version: int | None = None, api_key: str, out_dir: Path,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, kt_weight_dir: Path | None = None,
 ) -> EvaluationResult:
     """Judge ``candidate`` without letting it take production traffic: base vs candidate vs production.
 
     ``mode``: ``beside``: a second adapter name on the production server where the backend loads
     adapters at run time (``serving.dynamic_lora``: SGLang's ``/load_lora_adapter``), else a second
-    server process on a free port, stopped (or the adapter unloaded) on the way out, whatever the
-    verdict; ``offline``: answers generated through the training toolchain, no server at all.
+    server process on a free port (LlamaFactory's API and sglang-kt load one adapter per process;
+    sglang-kt's CPU experts come from ``kt_weight_dir``, a second copy in RAM), with the base model
+    on a third, each stopped (or the adapter unloaded) on the way out, whatever the verdict;
+    ``offline``: answers generated through the training toolchain, no server at all.
     ``production``: the recipe's running :class:`~ktflow.stages.serve.Endpoint` (None: nothing serves yet).
     ``model_dir`` is the base the adapter was trained on (the comparison's base model);
     ``serve_model_dir`` what a server loads it on.
@@ -662,16 +671,15 @@ def evaluate_candidate(
                 recipe, model_dir=model_dir, tuned_url=production.url, tuned_model=f"{serving.served_model_name}:{name}",
                 api_key=api_key, out_dir=out_dir, base_url=production.url, base_model=serving.served_model_name,
                 production=served, **common)
-    if serving.backend == "sglang":
-        raise InvalidInputError(
-            "evaluation.candidate", "'beside' needs a second sglang-kt server, which serves on serving.port only "
-            "(and a second copy of the CPU experts), or a server that loads adapters at run time",
-            "set evaluation.candidate to offline or swap, or serving.dynamic_lora: true for a plain SGLang server")
+    if serving.backend == "sglang" and kt_weight_dir is None:
+        raise InvalidInputError("kt_weight_dir", "'beside' starts a second sglang-kt server for the candidate, "
+                                "which needs the CPU expert weights", "pass the weights for serving.kt_method")
     with temporary_server(recipe, model_dir=serve_model_dir, adapter_dir=candidate.adapter_dir, api_key=api_key,
                           record_dir=out_dir / "candidate-endpoint", what=f"candidate v{candidate.version}",
-                          log=log) as slot:
+                          log=log, kt_weight_dir=kt_weight_dir) as slot:
         return evaluate_base_vs_tuned(recipe, model_dir=model_dir, tuned_url=slot.url, tuned_model=slot.model,
-                                      api_key=api_key, out_dir=out_dir, production=served, **common)
+                                      api_key=api_key, out_dir=out_dir, production=served,
+                                      kt_weight_dir=kt_weight_dir, **common)
 
 
 @contextlib.contextmanager

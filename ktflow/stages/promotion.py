@@ -87,6 +87,27 @@ def register_adapter(recipe: Recipe, *, adapter_dir: Path, sft_adapter_dir: Path
 # --------------------------------------------------------------------------- candidate mode
 
 
+class CandidatePrice(BaseModel):
+    """What judging a candidate in one mode costs on a host, on top of production, and whether it fits."""
+
+    mode: CandidateMode
+    ram_bytes: int = 0
+    gpu_bytes: int = 0  # per GPU
+    servers: int = 0  # servers started beside production's (or beside the candidate serving in its place)
+    problem: str | None = None  # why it does not fit (None: it does)
+
+    def brief(self) -> str:
+        """``beside: +16.0 GiB RAM, 2 more servers: does not fit (...)``."""
+        from ktflow.units import human_bytes
+
+        costs = [f"+{human_bytes(self.ram_bytes)} RAM" if self.ram_bytes else "",
+                 f"+{human_bytes(self.gpu_bytes)} per GPU" if self.gpu_bytes else "",
+                 f"{self.servers} more server{'s' if self.servers != 1 else ''}" if self.servers else ""]
+        what = ", ".join(c for c in costs if c) or "no more memory"
+        traffic = "; the candidate takes production traffic while judged" if self.mode == "swap" else ""
+        return f"{self.mode}: {what}{traffic}: " + ("fits" if self.problem is None else f"does not fit ({self.problem})")
+
+
 class CandidateChoice(BaseModel):
     """How a candidate is judged on a host, and why."""
 
@@ -94,52 +115,82 @@ class CandidateChoice(BaseModel):
     reason: str
     ram_bytes: int = 0  # what judging it costs on top of production (RAM)
     gpu_bytes: int = 0  # and GPU memory, per GPU
+    problem: str | None = None  # the chosen mode does not fit (set by evaluation.candidate): why
+    prices: list[CandidatePrice] = []  # every mode, priced on this host
+
+
+def candidate_prices(recipe: Recipe, sizes: Any, host: Any, *, production_running: bool) -> list[CandidatePrice]:
+    """Each candidate mode (beside, offline, swap) priced on ``host``: what it costs on top of
+    production (:func:`~ktflow.stages.serve.candidate_needs`) and whether that fits.
+
+    ``production_running``: production's memory is already in use on ``host`` (a live endpoint: the
+    extra RAM must be available now); else (a plan) production's is added to it. GPU memory:
+    :func:`~ktflow.stages.serve.stage.candidate_gpu_shortfall` for sglang (servers sharing the GPUs
+    production serves from), the GPUs' capacity otherwise.
+    """
+    from ktflow.resources import RamNeed, gpu_shortfall, ram_shortfall
+    from ktflow.stages.serve import candidate_needs, serve_needs
+    from ktflow.stages.serve.stage import candidate_gpu_shortfall, candidate_servers
+
+    production = serve_needs(recipe, sizes)
+    prices = []
+    for mode in ("beside", "offline", "swap"):
+        needs = candidate_needs(recipe, sizes, mode)
+        problems = []
+        if needs.ram is not None and needs.ram.bytes:
+            ram = needs.ram
+            if production_running:
+                ram = ram.model_copy(update={"of": "available"})  # production holds its share already
+            elif production.ram is not None:
+                ram = RamNeed(bytes=ram.bytes + production.ram.bytes, what=f"{ram.what} beside production",
+                              why=f"{ram.why}; production: {production.ram.why}", of=ram.of,
+                              numa_pools=ram.numa_pools)
+            problems.append(ram_shortfall("serve", ram, host))
+        if recipe.serving.backend == "sglang":
+            problems.append(candidate_gpu_shortfall(recipe, sizes, mode, host))
+        elif needs.gpu is not None and needs.gpu.bytes:
+            problems.append(gpu_shortfall("serve", needs.gpu, host))
+        prices.append(CandidatePrice(
+            mode=mode, ram_bytes=needs.ram.bytes if needs.ram else 0, gpu_bytes=needs.gpu.bytes if needs.gpu else 0,
+            servers=candidate_servers(recipe, mode), problem="; ".join(p for p in problems if p) or None))
+    return prices
 
 
 def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_running: bool) -> CandidateChoice:
     """``evaluation.candidate`` when the recipe sets it; else ``beside`` when a candidate fits beside
     production on ``host``, ``offline`` when generation through the training toolchain does, else
-    ``swap``; never silently: the reason says which and why.
+    ``swap``; never silently: the reason says which and why, and ``prices`` every mode.
+
+    sglang-kt (KT's fork) loads its one adapter at start-up and cannot load another at run time, so
+    ``beside`` is a second sglang-kt process for the candidate on a free port (and one for the base
+    model, which a server with a KT expert LoRA refuses to answer): a second copy of the CPU experts
+    in RAM and another share of each GPU (see :func:`candidate_prices`); plain SGLang with
+    ``serving.dynamic_lora`` loads the candidate under a second adapter name instead.
 
     ``sizes``: :class:`~ktflow.stages.serve.ServeSizes`; ``host``: a :class:`~ktflow.host.hardware.HostInfo`.
     ``production_running``: production's memory is already in use on ``host`` (a live endpoint);
     else (a plan) it is added to the candidate's.
     """
-    from ktflow.resources import RamNeed, gpu_shortfall, ram_shortfall
-    from ktflow.stages.serve import candidate_needs, serve_needs
+    from ktflow.stages.serve import candidate_needs
 
-    production = serve_needs(recipe, sizes)
-    costs = {mode: candidate_needs(recipe, sizes, mode) for mode in ("beside", "offline", "swap")}
-
-    def shortfall(mode: str) -> str | None:
-        needs = costs[mode]
-        if mode == "beside" and recipe.serving.backend == "sglang" and not recipe.serving.dynamic_lora:
-            return "sglang-kt loads its adapter at startup and serves on serving.port only: no second server beside it"
-        problems = []
-        if needs.ram is not None and needs.ram.bytes:
-            ram = needs.ram
-            if not production_running and production.ram is not None:
-                ram = RamNeed(bytes=ram.bytes + production.ram.bytes, what=f"{ram.what} beside production",
-                              why=f"{ram.why}; production: {production.ram.why}", of=ram.of)
-            problems.append(ram_shortfall("serve", ram, host))
-        if needs.gpu is not None and needs.gpu.bytes:
-            problems.append(gpu_shortfall("serve", needs.gpu, host))
-        return "; ".join(p for p in problems if p) or None
+    prices = {p.mode: p for p in candidate_prices(recipe, sizes, host, production_running=production_running)}
 
     def choice(mode: CandidateMode, reason: str) -> CandidateChoice:
-        needs = costs[mode]
+        needs = candidate_needs(recipe, sizes, mode)
         return CandidateChoice(mode=mode, reason=reason, ram_bytes=needs.ram.bytes if needs.ram else 0,
-                               gpu_bytes=needs.gpu.bytes if needs.gpu else 0)
+                               gpu_bytes=needs.gpu.bytes if needs.gpu else 0, problem=prices[mode].problem,
+                               prices=list(prices.values()))
 
     explicit = recipe.evaluation.candidate
     if explicit is not None:
-        problem = shortfall(explicit)
+        problem = prices[explicit].problem
         return choice(explicit, "set by evaluation.candidate" + (f" (though {problem})" if problem else ""))
-    beside = shortfall("beside")
+    beside = prices["beside"].problem
     if beside is None:
-        what = costs["beside"].ram.why if costs["beside"].ram else "a second adapter name on the server"
+        needs = candidate_needs(recipe, sizes, "beside")
+        what = needs.ram.why if needs.ram else "a second adapter name on the server"
         return choice("beside", f"{what} fits beside production: the candidate takes no production traffic")
-    offline = shortfall("offline")
+    offline = prices["offline"].problem
     if offline is None:
         return choice("offline", f"nothing fits beside production ({beside}); offline generation through the "
                                  "training toolchain does")
@@ -366,7 +417,8 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     result = evaluate_base_vs_tuned(recipe, model_dir=model_dir, tuned_url=endpoint.url,
                                     tuned_model=adapter_model_name(recipe), api_key=api_key, out_dir=out_dir,
                                     candidate_version=version, candidate_mode="swap",
-                                    production_version=before if before != version else None, log=log)
+                                    production_version=before if before != version else None, log=log,
+                                    kt_weight_dir=kt_weight_dir)
     if result.gate_failure() is None:
         return SwapJudgement(evaluation=result, window=None, restored=None)
     if before is not None and before != version:
@@ -459,7 +511,7 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
         evaluation = evaluate_candidate(recipe, mode=choice.mode, model_dir=model_dir, serve_model_dir=serve_model_dir,
                                         candidate=Candidate(version=version, adapter_dir=candidate.adapter_dir),
                                         production=production, production_version=production_version, api_key=key,
-                                        out_dir=out_dir, log=log)
+                                        out_dir=out_dir, log=log, kt_weight_dir=kt_weight_dir)
     judgement = Judgement(version=version, evaluation=evaluation, choice=choice,
                           production_version=production_version, window=window)
     atomic_write_bytes(out_dir / EVALUATION_JSON, evaluation.model_dump_json(indent=2).encode())

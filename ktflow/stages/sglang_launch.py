@@ -10,7 +10,8 @@ combination that would fail or misbehave at startup, tens of minutes into loadin
   ``RAWINT4`` (Kimi INT4) and ``FP8`` (DeepSeek-V3 block FP8), a BF16 checkpoint for
   ``BF16``/``AMXBF16`` (checked with :func:`ktflow.formats.checkpoint.inspect_checkpoint`), and for
   ``AMXINT8`` a quantize-int8 output whose manifest says it was quantized with the same
-  ``--kt-threadpool-count`` T (the INT8 layout depends on T);
+  ``--kt-threadpool-count`` T (the INT8 layout depends on T), in kt-kernel's ``.kt`` layout when
+  the adapter carries an expert LoRA (the serve stage writes it: :mod:`ktflow.stages.serve.sglang_inputs`);
 - ``--kt-cpuinfer`` at most the host's physical cores (and at least T: kt-kernel gives each of
   the T pools ``cpuinfer // T`` threads), the tensor parallel size at most the host's GPUs;
 - the KT LoRA rules (``--kt-num-gpu-experts 0``, no prefill threshold, no dynamic expert update,
@@ -51,12 +52,13 @@ from ktflow.store import StageManifest, read_manifest
 QUANTIZE_INT8_STAGE = "quantize-int8"  # ktflow.stages.quantize_int8.STAGE (not imported: it pulls in the driver)
 LAUNCH_MODULE = "sglang.launch_server"
 LORA_CACHE_ENV = "SGLANG_KT_LORA_CACHE_DIR"  # where sglang-kt splits a merged KT adapter (default /tmp)
-# What every sglang-kt server needs in its environment (the serve stage adds it; a recipe's toolchains.serve.env
-# wins). sglang-kt 0.7.2's get_config() defaults to SGLANG_APPLY_CONFIG_BACKUP=auto, which replaces the config.json
-# of ANY DeepSeek-family checkpoint (model_type deepseek*, or an architecture naming DeepSeek: DeepSeek-V3, Kimi
-# K2/K2.5) with a packaged DeepSeek-V4 config (config_backup_small/large.json: 4096 hidden, 256 experts, NSA
-# indexer): the server then builds another model than the one trained (seen on the GPU host, 2026-11-26: the NSA
-# Indexer of the packaged config failed on a missing deep_gemm). "none" reads the checkpoint's own config.
+# What every sglang-kt server needs in its environment (in every rendered launch, so `ktflow serve --dry-run` shows
+# it; a recipe's toolchains.serve.env wins). sglang-kt 0.7.2's get_config() defaults to
+# SGLANG_APPLY_CONFIG_BACKUP=auto, which replaces the config.json of ANY DeepSeek-family checkpoint (model_type
+# deepseek*, or an architecture naming DeepSeek: DeepSeek-V3, Kimi K2/K2.5) with a packaged DeepSeek-V4 config
+# (config_backup_small/large.json: 4096 hidden, 256 experts, NSA indexer): the server then builds another model
+# than the one trained (seen on the GPU host, 2026-11-26: the NSA Indexer of the packaged config failed on a
+# missing deep_gemm). "none" reads the checkpoint's own config.
 SERVER_ENV_DEFAULTS: dict[str, str] = {"SGLANG_APPLY_CONFIG_BACKUP": "none"}
 
 # What --kt-weight-path must be, per --kt-method (checkpoint format from inspect_checkpoint).
@@ -168,8 +170,9 @@ def is_loopback(host: str) -> bool:
 
 
 def render_sglang_launch(
-    recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path, serve_python: Path, host: HostInfo,
+    recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path | None, serve_python: Path, host: HostInfo,
     api_key_env_present: bool = True, lora_cache_dir: Path | None = None, check_files: bool = True,
+    port: int | None = None,
 ) -> SglangLaunch:
     """Render the sglang-kt launch for ``recipe``'s serving section, after checking it can work.
 
@@ -178,7 +181,9 @@ def render_sglang_launch(
         kt_weight_dir: ``--kt-weight-path``: the original INT4/FP8 checkpoint (RAWINT4/FP8), a BF16
             checkpoint (BF16/AMXBF16) or the quantize-int8 output (AMXINT8).
         adapter_dir: the converted LoRA adapter (convert-lora's output), served as
-            ``serving.adapter_name`` (requests select it with ``"model": "<served>:<adapter>"``).
+            ``serving.adapter_name`` (requests select it with ``"model": "<served>:<adapter>"``);
+            None: the base model alone, without ``--enable-lora`` (what an evaluation compares
+            against: sglang-kt refuses base requests on a server whose expert LoRA is loaded).
         serve_python: the serving toolchain's python (sglang-kt, kt-kernel 0.7.2, torch 2.9.1).
         host: the serving host (physical cores, GPUs).
         api_key_env_present: whether the variable ``serving.api_key_env`` is set (non-empty) in
@@ -190,6 +195,9 @@ def render_sglang_launch(
         lora_cache_dir: where sglang-kt writes the expert/non-expert split of the merged adapter
             (``SGLANG_KT_LORA_CACHE_DIR``; ~10 GiB for Kimi K2.5 r=8). Default: sglang-kt's,
             ``$TMPDIR/sglang_kt_lora_cache_$USER``.
+        port: ``--port`` (default ``serving.port``): a second server beside production (a candidate's)
+            takes a free one. Two sglang-kt servers on one host share no other port (tokenizer,
+            scheduler and detokenizer talk over IPC sockets; the NCCL port is picked free at start).
 
     Raises:
         InvalidInputError: the weights do not fit ``serving.kt_method`` (or the AMXINT8 weights were
@@ -208,27 +216,31 @@ def render_sglang_launch(
     _check_lora_rules(recipe)
     _check_extra_args(serving.extra_args)
     cpuinfer = _check_host(recipe, host, api_key_env_present)
-    model_dir, kt_weight_dir, adapter_dir = (Path(p).absolute() for p in (model_dir, kt_weight_dir, adapter_dir))
+    model_dir, kt_weight_dir = Path(model_dir).absolute(), Path(kt_weight_dir).absolute()
+    adapter_dir = Path(adapter_dir).absolute() if adapter_dir is not None else None
     if check_files:
         _check_model_dir(model_dir)
         int8_t = _check_kt_weights(recipe, kt_weight_dir)
-        _check_adapter(adapter_dir)
+        if adapter_dir is not None:
+            _check_adapter(adapter_dir)
+            _check_expert_lora_layout(recipe, kt_weight_dir, adapter_dir)
     else:
         int8_t = serving.kt_threadpool_count if serving.kt_method == "AMXINT8" else None
     args = _launch_args(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
-                        cpuinfer=cpuinfer)
+                        cpuinfer=cpuinfer, port=serving.port if port is None else port)
     python = str(Path(serve_python).absolute())  # not resolved: a venv's python is a symlink to the base
     if api_key_env_present:
         head, key_env = [python, "-c", launcher_code(serving.api_key_env)], serving.api_key_env
     else:
         head, key_env = [python, "-m", LAUNCH_MODULE], None
-    env = {"PYTHONUNBUFFERED": "1", **recipe.toolchains.serve.env}
+    env = {"PYTHONUNBUFFERED": "1", **SERVER_ENV_DEFAULTS, **recipe.toolchains.serve.env}
     if lora_cache_dir is not None:
         env[LORA_CACHE_ENV] = str(Path(lora_cache_dir).absolute())
     return SglangLaunch(argv=head + args, env=env, int8_threadpool_count=int8_t, api_key_env=key_env)
 
 
-def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path, cpuinfer: int) -> list[str]:
+def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path | None, cpuinfer: int,
+                 port: int | str) -> list[str]:
     """``sglang.launch_server``'s own command line (after the interpreter and the launcher)."""
     serving = recipe.serving
     assert serving.kt_method is not None
@@ -241,13 +253,13 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
         "--kt-num-gpu-experts", "0",
         "--tensor-parallel-size", str(serving.gpus),
         "--host", serving.host,
-        "--port", str(serving.port),
+        "--port", str(port),
         "--served-model-name", serving.served_model_name,
-        "--enable-lora",
-        "--lora-backend", serving.lora_backend,
-        "--lora-paths", f"{serving.adapter_name}={adapter_dir}",
-        "--max-running-requests", str(serving.max_running_requests),
     ]
+    if adapter_dir is not None:
+        args += ["--enable-lora", "--lora-backend", serving.lora_backend,
+                 "--lora-paths", f"{serving.adapter_name}={adapter_dir}"]
+    args += ["--max-running-requests", str(serving.max_running_requests)]
     if serving.disable_cuda_graph:
         args.append("--disable-cuda-graph")
     for flag, value in (("--context-length", serving.context_length),
@@ -344,7 +356,7 @@ def _check_extra_args(extra: list[str]) -> None:
 def _check_model_dir(model_dir: Path) -> None:
     load_config(model_dir)  # CheckpointError when it is not a checkpoint directory
     manifest = read_manifest(model_dir)
-    if manifest is not None and manifest.stage == QUANTIZE_INT8_STAGE:
+    if manifest is not None and manifest.stage in _int8_stages():
         raise InvalidInputError(
             f"model_dir {model_dir}", "is a quantize-int8 output (CPU expert weights with renamed blk.* tensors); "
             "sglang loads the non-expert weights from --model-path.",
@@ -362,7 +374,7 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
         raise InvalidInputError(subject, "does not exist." if not kt_dir.exists() else "is not a directory.",
                                 f"pass the expert weights for serving.kt_method {method}")
     manifest = read_manifest(kt_dir)
-    is_int8 = manifest is not None and manifest.stage == QUANTIZE_INT8_STAGE
+    is_int8 = manifest is not None and manifest.stage in _int8_stages()
 
     if method == "AMXINT8":
         return _check_int8_weights(kt_dir, manifest if is_int8 else None, t)
@@ -387,6 +399,28 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
             f"natively from --kt-weight-path.", fix,
         )
     return None
+
+
+def _int8_stages() -> frozenset[str]:
+    """The artifacts that hold AMXINT8 experts: quantize-int8's output, and the serve stage's ``.kt`` layout of it."""
+    from ktflow.stages.serve.sglang_inputs import KT_LAYOUT_STAGE
+
+    return frozenset({QUANTIZE_INT8_STAGE, KT_LAYOUT_STAGE})
+
+
+def _check_expert_lora_layout(recipe: Recipe, kt_dir: Path, adapter_dir: Path) -> None:
+    """AMXINT8 with an expert LoRA reads kt-kernel's ``.kt`` files only (the serve stage makes them)."""
+    from ktflow.stages.serve.sglang_inputs import has_expert_lora, has_kt_layout
+
+    if recipe.serving.kt_method == "AMXINT8" and has_expert_lora(adapter_dir) and not has_kt_layout(kt_dir):
+        raise InvalidInputError(
+            f"kt_weight_dir {kt_dir}",
+            "holds no _layer_L/_numa_N/*.kt files, but the adapter carries an expert LoRA: sglang-kt then serves "
+            "the experts through kt-kernel's AMXINT8_SFT, which reads only that layout (not quantize-int8's "
+            "blk.* safetensors).",
+            "serve through ktflow's serve stage (it writes the .kt layout once, "
+            "ktflow.stages.serve.sglang_inputs.int8_kt_layout), or pass that layout",
+        )
 
 
 def _check_int8_weights(kt_dir: Path, manifest: StageManifest | None, t: int) -> int:

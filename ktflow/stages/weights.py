@@ -7,10 +7,11 @@ cache hits when already done) or, for ``--dry-run``, only say where their output
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from ktflow.formats.checkpoint import checkpoint_digest
-from ktflow.recipe import Recipe, as_weights_reader, needs_bf16_weights
+from ktflow.recipe import Recipe, as_weights_reader, needs_bf16_weights, needs_int8_weights
 
 
 def bf16_dir_for(recipe: Recipe, source_dir: Path, digest: str | None = None) -> Path:
@@ -94,3 +95,28 @@ def serving_weights(recipe: Recipe, *, source_dir: Path, bf16_dir: Path | None) 
     if method == "AMXINT8":
         return bf16, int8_dir_for(recipe, bf16)
     return bf16, bf16
+
+
+def ensure_serving_weights(recipe: Recipe, *, source_dir: Path, bf16_dir: Path | None,
+                           log: Callable[[str], None] | None = None) -> tuple[Path, Path | None]:
+    """:func:`serving_weights`, with the AMXINT8 experts made when missing: the quantize-int8 stage
+    of the BF16 weights for the recipe's T (a cache hit once published), as the pipeline runs it.
+
+    Raises:
+        as :func:`ktflow.stages.quantize_int8.quantize_int8` (a host without kt-kernel's INT8 kernels,
+        no serving toolchain, too little RAM or disk).
+    """
+    model_dir, kt_weights = serving_weights(recipe, source_dir=source_dir, bf16_dir=bf16_dir)
+    if recipe.serving.backend == "sglang" and recipe.serving.kt_method == "AMXINT8" and needs_int8_weights(recipe):
+        assert kt_weights is not None
+        from ktflow.recipe import int8_threadpool_count
+        from ktflow.stages.quantize_int8 import quantize_int8
+
+        result = quantize_int8(model_dir, kt_weights, threadpool_count=int8_threadpool_count(recipe),
+                               serve_python=recipe.toolchains.serve.python, workers=recipe.conversion.workers,
+                               fsync=recipe.conversion.fsync)
+        if log:
+            log(f"quantize-int8: {'cache hit' if result.cached else f'{result.layers} layers'}, "
+                f"T={result.threadpool_count} -> {result.path}")
+    return model_dir, kt_weights
+

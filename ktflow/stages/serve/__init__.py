@@ -45,8 +45,10 @@ included), the half-started server and everything carrying its marker are stoppe
 
 Modules: ``records.py`` (the endpoint record, ports, keys), ``process.py`` (start, readiness gate,
 smoke test), ``llamafactory.py`` and ``sglang.py`` (the two backends' launches; plain SGLang's
-no-downtime adapter swap), ``stage.py`` (serve, stop, swap with rollback, and what serving and a
-candidate cost). The names callers use are re-exported here.
+no-downtime adapter swap), ``sglang_inputs.py`` (what sglang-kt is given to load where the
+pipeline's outputs are not what it reads: a view of the checkpoint, kt-kernel's ``.kt`` layout of
+AMXINT8 experts served with an expert LoRA), ``stage.py`` (serve, stop, swap with rollback, and
+what serving and a candidate cost). The names callers use are re-exported here.
 """
 
 from ktflow.stages.serve.llamafactory import INFER_YAML, dump_infer_yaml, render_llamafactory_api

@@ -3,6 +3,7 @@ SGLang's adapter API (load a new versioned adapter, smoke-test it, unload the ol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +25,29 @@ def serve_python(recipe: Recipe) -> Path:
 
 
 def _sglang_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-                   record_dir: Path, port: int, host: Any) -> _Launch:
+                   record_dir: Path, port: int, host: Any, log: Callable[[str], None] | None = None) -> _Launch:
     """sglang-kt in the serving toolchain; the key reaches it through its environment (the launcher
-    hands it to the parser in-process), readiness is /health."""
+    hands it to the parser in-process), readiness is /health.
+
+    The model directory and the expert weights are given as sglang-kt reads them
+    (:func:`~ktflow.stages.serve.sglang_inputs.sglang_inputs`: a view of a checkpoint it cannot load
+    as it is, kt-kernel's ``.kt`` layout of AMXINT8 experts served with an expert LoRA), made here
+    when first needed. ``port`` may differ from ``serving.port``: a candidate's server beside
+    production."""
     from ktflow.host.hardware import probe_host as probe_hardware
-    from ktflow.stages.sglang_launch import SERVER_ENV_DEFAULTS, render_sglang_launch
+    from ktflow.stages.serve.sglang_inputs import sglang_inputs
+    from ktflow.stages.sglang_launch import render_sglang_launch
 
     serving = recipe.serving
-    if port != serving.port:
-        raise KtflowError("the sglang backend serves on serving.port only")
     python = serve_python(recipe)
-    assert adapter_dir is not None and kt_weight_dir is not None
+    assert kt_weight_dir is not None
+    model_dir, kt_weight_dir = sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir,
+                                             adapter_dir=adapter_dir, record_dir=record_dir, log=log)
     launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
-                                  serve_python=python, host=host or probe_hardware(record_dir))
-    return _Launch(what="sglang-kt", python=python, argv=launch.argv, env={**SERVER_ENV_DEFAULTS, **launch.env},
-                   key_env=launch.api_key_env or serving.api_key_env, model_name=adapter_model_name(recipe),
+                                  serve_python=python, host=host or probe_hardware(record_dir), port=port)
+    return _Launch(what="sglang-kt", python=python, argv=launch.argv, env=launch.env,
+                   key_env=launch.api_key_env or serving.api_key_env,
+                   model_name=adapter_model_name(recipe) if adapter_dir is not None else serving.served_model_name,
                    ready_url=f"{base_url(serving.host, port).removesuffix('/v1')}/health", expect_model=None,
                    check_auth=False)
 

@@ -52,6 +52,7 @@ from ktflow.stages.serve.records import (
 )
 from ktflow.stages.serve.sglang import _sglang_launch, serve_python
 from ktflow.store import read_manifest
+from ktflow.units import GiB
 
 
 def _server_python(recipe: Recipe) -> Path:
@@ -122,24 +123,79 @@ def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
     )
 
 
+# How many servers judging a candidate starts beside production, per mode (the evaluation asks the base model
+# through a server of its own: LlamaFactory's API serves one model per process, and sglang-kt refuses base
+# requests on a server whose expert LoRA is loaded). beside with serving.dynamic_lora: none (see candidate_needs).
+CANDIDATE_SERVERS = {"beside": 2, "offline": 0, "swap": 1}
+
+
+def candidate_servers(recipe: Recipe, mode: str) -> int:
+    """The servers judging a candidate in ``mode`` runs beside production's (or, ``swap``, beside the
+    candidate serving in its place)."""
+    if mode == "beside" and recipe.serving.backend == "sglang" and recipe.serving.dynamic_lora:
+        return 0  # a second adapter name on production's server, which answers base requests too
+    return CANDIDATE_SERVERS[mode]
+
+
 def candidate_needs(recipe: Recipe, sizes: ServeSizes, mode: str) -> Resources:
     """What judging a candidate costs on top of production (``evaluation.candidate``).
 
-    ``beside``: a second adapter on the server where it loads adapters at run time (a few MB), else a
-    second server (:func:`serve_needs` again: the whole model once more). ``offline``: the training
-    toolchain generating with the model in BF16 in RAM (LlamaFactory's chat engine on CPU). ``swap``:
-    nothing more; the candidate serves in production's place while it is judged.
+    ``beside``: a second adapter name on the server where it loads adapters at run time (a few MB;
+    plain SGLang's ``serving.dynamic_lora``), else a server for the candidate and one for the base
+    model beside production (:func:`serve_needs` twice: for sglang-kt each holds its own copy of the
+    CPU experts in RAM and its non-expert weights on the same GPUs). ``offline``: the training
+    toolchain generating with the model in BF16 in RAM (LlamaFactory's chat engine on CPU).
+    ``swap``: the candidate serves in production's place while it is judged; the base model is
+    asked through a server of its own beside it (:func:`serve_needs` once).
     """
-    serving = recipe.serving
-    if mode == "swap" or (mode == "beside" and serving.backend == "sglang" and serving.dynamic_lora):
-        return Resources()
     if mode == "offline":
         return Resources(ram=RamNeed(bytes=2 * sizes.model.parameters, what="offline candidate generation",
                                      why="the model in BF16 in the training toolchain"))
-    second = serve_needs(recipe, sizes)
-    ram = second.ram.model_copy(update={"what": "a second server for the candidate",
-                                        "why": f"a second server: {second.ram.why}"}) if second.ram else None
-    return Resources(ram=ram, gpu=second.gpu)
+    servers = candidate_servers(recipe, mode)
+    if servers == 0:
+        return Resources()
+    one = serve_needs(recipe, sizes)
+    what = "judging the candidate"
+    each = {2: "two more servers, the candidate's and the base model's, each with ",
+            1: "one more server, the base model's, beside the candidate serving in production's place, with "}[servers]
+    ram = one.ram.model_copy(update={"bytes": servers * one.ram.bytes, "what": what,
+                                     "why": f"{each}{one.ram.why}"}) if one.ram else None
+    gpu = one.gpu.model_copy(update={"bytes": servers * one.gpu.bytes, "what": what,
+                                     "why": f"{each}its non-expert weights in BF16; the KV caches come on top"}
+                             ) if one.gpu else None
+    return Resources(ram=ram, gpu=gpu)
+
+
+def candidate_gpu_shortfall(recipe: Recipe, sizes: ServeSizes, mode: str, host: Any) -> str | None:
+    """Why the servers judging a candidate in ``mode`` do not fit on the GPUs production serves from
+    (None: they do, or no GPU is involved).
+
+    sglang sizes a server's static memory (weights and KV cache) as ``mem_fraction_static`` f of the
+    GPU memory free when it starts: production takes f of each GPU, the next server f of what is
+    left, and so on, so the n-th server beside production gets f (1 - f)^n of it, which must hold
+    its non-expert weights. With f unset, sglang-kt gives production all of each GPU but its
+    activation reserve: no second server fits.
+    """
+    serving = recipe.serving
+    servers = candidate_servers(recipe, mode)
+    gpus = host.gpus[: max(serving.gpus, 1)]
+    if serving.backend != "sglang" or servers == 0 or not gpus:
+        return None
+    who = {2: "the candidate's and the base model's servers", 1: "the base model's server"}[servers]
+    f = serving.mem_fraction_static
+    if f is None:
+        return (f"{who} would share the GPUs with production, but serving.mem_fraction_static is unset: sglang-kt "
+                "then sizes production's weights and KV cache to all of each GPU but its activation reserve; set it "
+                "(every server of the recipe takes that fraction of the GPU memory free when it starts)")
+    weights = 2 * sizes.model.non_expert_parameters // max(serving.gpus, 1)
+    for g in gpus:
+        room = f * (1 - f) ** servers * g.vram_bytes
+        if weights > room:
+            return (f"{who} would share GPU {g.index} ({g.name}, {g.vram_bytes / GiB:.1f} GiB) with production: each "
+                    f"sglang server takes mem_fraction_static {f} of the GPU memory free when it starts, which leaves "
+                    f"the last one {room / GiB:.2f} GiB, less than its non-expert weights in BF16 "
+                    f"({weights / GiB:.2f} GiB)")
+    return None
 
 
 def _start_endpoint(
@@ -157,7 +213,7 @@ def _start_endpoint(
     child_env = {k: v for k, v in os.environ.items() if k != serving.api_key_env}
     if serving.backend == "sglang":
         launch = _sglang_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, kt_weight_dir=kt_weight_dir,
-                                record_dir=record_dir, port=port, host=host)
+                                record_dir=record_dir, port=port, host=host, log=log)
     else:
         launch = _llamafactory_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
                                       port=port)
@@ -259,7 +315,10 @@ def serve(
     ``llamafactory`` (CPU): LlamaFactory's API with the adapter merged at load. ``sglang``: sglang-kt
     in the serving toolchain with the launch :func:`ktflow.stages.sglang_launch.render_sglang_launch`
     renders (``kt_weight_dir`` holds the CPU expert weights for ``serving.kt_method``; ``host`` is
-    the HostInfo to check it against, default this host's probe), ready on ``/health``.
+    the HostInfo to check it against, default this host's probe), ready on ``/health``; the model
+    and the experts as sglang-kt reads them (:mod:`ktflow.stages.serve.sglang_inputs`: a view of a
+    checkpoint it cannot load as it is, the ``.kt`` layout of AMXINT8 experts served with an expert
+    LoRA), made at the first start and said in ``log``.
 
     Args:
         adapter_dir: the LoRA adapter to serve (PEFT; merged at load), or None for the base model.
@@ -277,9 +336,9 @@ def serve(
         ServerStartError: the server failed to start, to become ready or its smoke test.
     """
     sglang = recipe.serving.backend == "sglang"
-    if sglang and (kt_weight_dir is None or adapter_dir is None):
-        raise InvalidInputError("kt_weight_dir", "the sglang backend needs the CPU expert weights and the adapter",
-                                "pass the weights for serving.kt_method and the convert-lora output")
+    if sglang and kt_weight_dir is None:
+        raise InvalidInputError("kt_weight_dir", "the sglang backend needs the CPU expert weights",
+                                "pass the weights for serving.kt_method")
     record_dir = Path(record_dir).absolute()
     record_dir.mkdir(parents=True, exist_ok=True)
     existing = read_endpoint(record_dir)
@@ -357,6 +416,12 @@ def swap_adapter(
     good, good_previous = _last_good(current, record_dir)
     port = current.port or _recipe_port(recipe, log)
     _server_python(recipe)  # a missing toolchain is refused while the old server still serves
+    if sglang and kt_weight_dir is not None:
+        # what sglang-kt is given (a model view, the AMXINT8 .kt layout) is made while the old server still serves
+        from ktflow.stages.serve.sglang_inputs import sglang_inputs
+
+        sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=new_adapter_dir,
+                      record_dir=record_dir, log=log)
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)

@@ -1,4 +1,6 @@
-"""Fake ``sglang.launch_server``: parses the flags ktflow passes and serves a canned answer."""
+"""Fake ``sglang.launch_server``: parses the flags ktflow passes and serves a canned answer, as sglang-kt
+would: the base model answers "hello", the adapter "hello (<adapter folder>) nya~", and with an adapter
+loaded a base request is refused (sglang-kt pairs its KT expert LoRA statically with that adapter)."""
 
 import argparse
 import json
@@ -12,8 +14,16 @@ parser.add_argument("--api-key")
 parser.add_argument("--served-model-name")
 parser.add_argument("--lora-paths", nargs="*")
 args, _ = parser.parse_known_args(sys.argv[1:])
-adapters = [p.split("=", 1)[0] for p in (args.lora_paths or [])]
+adapters = dict(p.split("=", 1) for p in (args.lora_paths or []))
 models = [args.served_model_name] + [f"{args.served_model_name}:{a}" for a in adapters]
+
+
+def answer(model):
+    """The reply to ``model``, or None when this server refuses it."""
+    if model == args.served_model_name:
+        return None if adapters else "hello"
+    adapter = model.split(":", 1)[1] if ":" in model else None
+    return f"hello ({adapters[adapter].rstrip('/').rsplit('/', 1)[-1]}) nya~" if adapter in adapters else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -45,11 +55,17 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return self._reply(401, {"error": "unauthorized"})
         if self.path == "/v1/chat/completions" and payload.get("model") in models:
+            content = answer(payload["model"])
+            if content is None:
+                return self._reply(400, {"error": "This server has KT expert LoRA statically paired with adapter "
+                                                  f"{next(iter(adapters))!r}; base requests are not supported."})
             return self._reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": payload["model"],
                                      "choices": [{"index": 0, "finish_reason": "stop",
-                                                  "message": {"role": "assistant", "content": "hello"}}]})
+                                                  "message": {"role": "assistant", "content": content}}],
+                                     "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}})
         self._reply(404, {"error": f"unknown model {payload.get('model')}"})
 
 
+print(f"fake sglang argv: {json.dumps([a for a in sys.argv[1:] if not a.startswith('--api-key')])}", flush=True)
 print(f"fake sglang serving {models} on {args.host}:{args.port}", flush=True)
 ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
