@@ -19,7 +19,8 @@ The core, which every package below may import:
 The packages, each with a docstring that maps its modules: ``formats/`` (file formats), ``host/``
 (hardware, pools, workers, processes), ``planning/`` (which stages, their cost), ``stages/`` (one
 module or package per stage), ``fixtures/`` (checkpoints made locally), ``_drivers/`` (programs run
-inside the toolchains). On top: ``cli.py``, ``demo.py``, ``run_report.py``, ``recipe_deployments.py``.
+inside the toolchains). On top: ``cli/`` (a module per command group), ``demo.py``, ``run_report.py``,
+``recipe_deployments.py``.
 ``tests/test_layers.py`` keeps who imports whom as stated.
 """
 

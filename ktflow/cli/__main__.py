@@ -1,0 +1,5 @@
+"""``python -m ktflow.cli``."""
+
+from ktflow.cli import main
+
+raise SystemExit(main())

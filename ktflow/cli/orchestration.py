@@ -1,0 +1,104 @@
+"""The distributed side: Prefect workers (``worker``) and dataset versions (``dataset publish``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rich.table import Table
+
+from ktflow.cli._common import (
+    _Add,
+    _print_json,
+    err,
+    out,
+)
+from ktflow.errors import InvalidInputError
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Start a Prefect worker on every pool this host qualifies for (or the ones asked for)."""
+    from ktflow.host.hardware import probe_host
+    from ktflow.host.worker import choose_pools, pool_verdicts, run_workers, worker_launches
+
+    if args.create_pools:
+        from ktflow.host.worker import create_pools
+
+        create_pools(log=lambda line: err.print(line))
+        return 0
+    host = probe_host()
+    if args.list:
+        verdicts = pool_verdicts(host)
+        if args.json:
+            _print_json({"host": host.hostname, "cpu_variant": host.cpu_variant,
+                         "pools": [v.model_dump(mode="json") for v in verdicts]})
+            return 0
+        table = Table(title=f"work pools for host {host.hostname} ({host.cpu_variant})")
+        for column in ("pool", "runs", "this host"):
+            table.add_column(column)
+        for v in verdicts:
+            stages = ", ".join(v.stages) or v.role
+            table.add_row(v.pool, stages, "[green]qualifies[/]" if v.qualifies else "[red]" + "; ".join(v.missing) + "[/]")
+        out.print(table)
+        return 0
+    pools = choose_pools(host, args.pool or ())
+    toolchains = {}
+    for item in args.toolchain or ():
+        role, sep, block = item.partition("=")
+        if not sep or role not in ("train", "serve") or not block:
+            raise InvalidInputError(f"--toolchain {item}", "expected ROLE=BLOCK with ROLE train or serve",
+                                    "e.g. --toolchain train=gpu1-train (a ktflow Toolchain block)")
+        toolchains[role] = block
+    launches = worker_launches(pools, host_name=args.name or host.hostname, checkout=Path(args.checkout).absolute(),
+                               toolchain_blocks=toolchains, store_root=Path(args.store_root) if args.store_root else None,
+                               artifacts_block=args.artifacts)
+    if args.dry_run:
+        _print_json([launch.model_dump(mode="json") for launch in launches])
+        return 0
+    if not os.environ.get("PREFECT_API_URL"):
+        err.print("[yellow]PREFECT_API_URL is not set: the workers will talk to the profile's API "
+                  "(`prefect config view`)[/]")
+    return run_workers(launches, log=lambda line: err.print(line))
+
+
+def cmd_dataset_publish(args: argparse.Namespace) -> int:
+    """Validate a dataset for a recipe and announce it: the retrain deployment's trigger starts a run."""
+    from flows.events import publish_dataset
+
+    event = publish_dataset(Path(args.recipe), Path(args.path))
+    if args.json:
+        _print_json(event)
+    else:
+        out.print(f"published {event['payload']['path']} ({event['payload']['records']} records, "
+                  f"sha256 {event['payload']['sha256'][:12]}) as {event['event']} for {event['resource']}")
+    return 0
+
+
+def add_host_commands(add: _Add) -> None:
+    """Workers and dataset versions: the distributed side."""
+    p = add("worker", cmd_worker, "join the Prefect work pools this host qualifies for")
+    p.add_argument("--pool", action="append", metavar="POOL", help="a pool to join (repeatable; default: all that qualify)")
+    p.add_argument("--name", metavar="HOST", help="the host name the worker advertises (default: hostname)")
+    p.add_argument("--checkout", default=".", metavar="DIR", help="this host's ktflow checkout (default: .)")
+    p.add_argument("--toolchain", action="append", metavar="ROLE=BLOCK",
+                   help="this host's Toolchain block for train or serve (repeatable)")
+    p.add_argument("--store-root", metavar="DIR",
+                   help="this host's own store (hosts without a shared one: the recipe sets store.artifacts)")
+    p.add_argument("--artifacts", metavar="BLOCK",
+                   help="this host's ktflow ArtifactStore block: the artifact store's URL and credentials")
+    p.add_argument("--list", action="store_true", help="list the pools and whether this host qualifies")
+    p.add_argument("--create-pools", action="store_true",
+                   help="create ktflow's work pools on the server (before `prefect deploy`), then exit")
+    p.add_argument("--dry-run", action="store_true", help="print the worker commands instead of starting them")
+    p.add_argument("--json", action="store_true", help="with --list: one JSON document")
+
+    p = add("dataset", lambda a: a.dataset_parser.error("say what to do: publish"), "dataset versions")
+    p.set_defaults(dataset_parser=p)
+    dsub = p.add_subparsers(dest="dataset_command", metavar="ACTION")
+    q = dsub.add_parser("publish", help="validate a dataset and emit dataset.version.published (starts a retrain)",
+                        description="validate a dataset and emit dataset.version.published (starts a retrain)")
+    q.set_defaults(func=cmd_dataset_publish)
+    q.add_argument("path", metavar="PATH", help="the new dataset file")
+    q.add_argument("--recipe", required=True, metavar="FILE", help="the recipe to retrain with it")
+    q.add_argument("--json", action="store_true")

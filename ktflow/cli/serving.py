@@ -1,0 +1,286 @@
+"""What serves and how it does: ``serve``, ``eval``, and adapter versions (``adapters``, ``promote``,
+``rollback``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ktflow.cli._common import (
+    _Add,
+    _add_recipe,
+    _load,
+    _print_json,
+    _say,
+    _serving_dir,
+    err,
+    out,
+)
+
+
+def _served_adapter(recipe, model_dir: Path) -> Path:
+    """The converted adapter to serve: the SFT run's adapter, through convert-lora (cached)."""
+    from ktflow.stages.convert_lora import convert_lora
+    from ktflow.stages.sft import locate_adapter
+    from ktflow.store import read_manifest
+
+    trained = locate_adapter(recipe, model_dir)
+    digest = read_manifest(trained).digest()  # type: ignore[union-attr]
+    return convert_lora(trained, recipe.store.layout.adapter(digest[:16]), base_dir=model_dir,
+                        serve_python=recipe.toolchains.serve.python).path
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ktflow.stages.serve import serve, stop
+
+    recipe = _load(args)
+    record_dir = _serving_dir(recipe)
+    if args.stop:
+        stopped = stop(record_dir)
+        out.print(f"stopped the endpoint of {recipe.name}" if stopped else f"no endpoint of {recipe.name} is running")
+        return 0
+    if args.dry_run:
+        return _serve_dry_run(recipe, record_dir, as_json=args.json)
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
+
+    source = ensure_source(recipe)
+    trained_on = ensure_training_weights(recipe, source=source)
+    bf16 = trained_on if trained_on != source else None
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source, bf16_dir=bf16, log=_say)
+    from ktflow.stages.promotion import registry_of
+
+    production = registry_of(recipe).production_version()
+    adapter = production.adapter_dir if production is not None else _served_adapter(recipe, trained_on)
+    endpoint = serve(recipe, model_dir=model_dir, adapter_dir=adapter,
+                     record_dir=record_dir, kt_weight_dir=kt_weights,
+                     log=lambda line: err.print(line, markup=False, highlight=False))
+    out.print(f"serving {endpoint.adapter_model_name or endpoint.served_model_name} at {endpoint.url} "
+              f"(pid {endpoint.pid}, log {endpoint.log_path}); key: ${recipe.serving.api_key_env} or "
+              f"{record_dir / 'api_key'}; stop: ktflow serve {args.recipe} --stop")
+    return 0
+
+
+def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
+    import shlex
+
+    from ktflow.stages.weights import expected_training_weights
+
+    model_dir = expected_training_weights(recipe).absolute()
+    adapter = recipe.store.layout.adapter("<trained adapter>").absolute()
+    if recipe.serving.backend == "llamafactory":
+        from ktflow.stages.serve import render_llamafactory_api
+
+        argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter,
+                                                   train_python=recipe.toolchains.train.python.absolute(),
+                                                   config_dir=record_dir)
+        document = {"argv": argv, "env": env, "infer_config": infer}
+    else:
+        from ktflow.host.hardware import probe_host
+        from ktflow.stages.sglang_launch import render_sglang_launch
+        from ktflow.stages.weights import expected_source, serving_weights
+
+        source = expected_source(recipe).absolute()
+        model_dir, weights = serving_weights(recipe, source_dir=source, bf16_dir=model_dir if model_dir != source else None)
+        assert weights is not None
+        # The command is for the GPU serving host, not necessarily this one: render it for a host
+        # with the GPUs and cores the recipe asks for (the real host is checked at launch).
+        from ktflow.host.hardware import GpuInfo
+
+        here = probe_host(recipe.store.root)
+        serving_host = here.model_copy(update={
+            "gpus": here.gpus or [GpuInfo(index=i, name="serving-host GPU", vram_bytes=0)
+                                  for i in range(recipe.serving.gpus)],
+            "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
+        })
+        notes = []
+        if (Path(model_dir) / "config.json").is_file():  # the view the serve stage gives sglang-kt, if any
+            from ktflow.stages.serve.sglang_inputs import model_view_plan, sglang_model_view
+
+            view = sglang_model_view(model_dir, record_dir, create=False)
+            if view != Path(model_dir).absolute():
+                notes.append(f"--model-path: a view of {model_dir} the serve stage makes at start "
+                             f"({model_view_plan(model_dir).reason})")  # type: ignore[union-attr]
+            model_dir = view
+        if recipe.serving.kt_method == "AMXINT8":
+            notes.append("--kt-weight-path: with an adapter that carries an expert LoRA (a KT SFT adapter), the "
+                         "serve stage serves kt-kernel's .kt layout of these INT8 weights, written once into the "
+                         "store at start")
+        launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=weights.absolute(), adapter_dir=adapter,
+                                      serve_python=recipe.toolchains.serve.python.absolute(),
+                                      host=serving_host, check_files=False)
+        document = {"argv": launch.argv, "env": launch.env}
+        if launch.int8_threadpool_count is not None:
+            document["int8_threadpool_count"] = launch.int8_threadpool_count
+        if notes:
+            document["notes"] = notes
+    if as_json:
+        _print_json(document)
+    else:
+        env_text = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in document["env"].items())
+        out.print((env_text + " " if env_text else "") + shlex.join(document["argv"]), markup=False, soft_wrap=True)
+        for note in document.get("notes", []):
+            _say(f"note: {note}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ktflow.stages.evaluate import evaluate_base_vs_tuned
+    from ktflow.stages.serve import adapter_model_name, api_key_for, read_endpoint
+    from ktflow.stages.weights import ensure_training_weights
+
+    recipe = _load(args)
+    endpoint = read_endpoint(_serving_dir(recipe))
+    key = api_key_for(endpoint) if endpoint is not None and endpoint.url.rstrip("/") == args.endpoint.rstrip("/") else None
+    key = key or os.environ.get(recipe.serving.api_key_env)
+    if not key:
+        from ktflow.errors import InvalidInputError
+
+        raise InvalidInputError(recipe.serving.api_key_env, "no API key for the endpoint",
+                                f"export {recipe.serving.api_key_env}=<the server's key>")
+    # sglang: the base model is a server of its own (sglang-kt without an adapter), its experts the serving ones
+    weights = _production_weights(recipe) if recipe.serving.backend == "sglang" else None
+    result = evaluate_base_vs_tuned(recipe, model_dir=weights["base_dir"] if weights else ensure_training_weights(recipe),
+                                    tuned_url=args.endpoint, tuned_model=adapter_model_name(recipe), api_key=key,
+                                    out_dir=recipe.store.layout.evaluation(recipe.name).absolute(),
+                                    log=lambda line: err.print(line, markup=False, highlight=False),
+                                    kt_weight_dir=weights["kt_weight_dir"] if weights else None)
+    out.print(result.table, markup=False)
+    overlap = result.contamination
+    out.print(overlap.summary() + (f": {overlap.named()}" if overlap.count else ""), markup=False)
+    out.print(f"adapter applied: {'yes' if result.adapter_applied else 'NO'}; promoted: "
+              f"{'yes' if result.promoted else 'no'} (on {result.gate_metric}); report: {result.report_md}")
+    failure = result.gate_failure()
+    if failure:
+        from ktflow.errors import PromotionGateError
+
+        raise PromotionGateError(failure)
+    return 0 if result.adapter_applied else 1
+
+
+def _version_number(text: str) -> int:
+    from ktflow.errors import InvalidInputError
+
+    digits = text.lower().removeprefix("v")
+    if not digits.isdigit() or int(digits) < 1:
+        raise InvalidInputError(f"VERSION {text!r}", "is not a version number", "give one as `ktflow adapters` lists "
+                                "them: 3 or v3")
+    return int(digits)
+
+
+def _production_weights(recipe) -> dict[str, Any]:
+    """What a promotion serves an adapter on: the serving weights, and the base adapters train on."""
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
+
+    source = ensure_source(recipe)
+    trained_on = ensure_training_weights(recipe, source=source)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source, bf16_dir=trained_on
+                                                   if trained_on != source else None, log=_say)
+    return {"model_dir": model_dir, "kt_weight_dir": kt_weights, "base_dir": trained_on}
+
+
+def cmd_adapters(args: argparse.Namespace) -> int:
+    """The versions of the recipe's adapter, which one serves, and a move a crash interrupted."""
+    from ktflow.registry import summarize
+    from ktflow.stages.promotion import registry_of
+    from ktflow.stages.serve import is_alive, read_endpoint
+
+    recipe = _load(args)
+    registry = registry_of(recipe)
+    document = summarize(registry)
+    endpoint = read_endpoint(_serving_dir(recipe))
+    alive = endpoint is not None and is_alive(endpoint)
+    document["serving"] = ({"url": endpoint.url, "version": endpoint.adapter_version,
+                            "adapter_dir": str(endpoint.adapter_dir), "state": endpoint.state} if alive else None)
+    if args.json:
+        _print_json(document)
+        return 0
+    table = Table(title=f"{recipe.name}: adapter versions", title_justify="left")
+    for column in ("version", "created", "trigger", "dataset", "verdict", "status"):
+        table.add_column(column)
+    production = document["production"]
+    for v in registry.versions():
+        status = "production" if v.version == production else ("previous" if v.version == document["previous"] else "")
+        if status == "production" and not alive:
+            status = "production (endpoint not running)"
+        verdict = f"{v.verdict.status}: {v.verdict.summary}" if v.verdict else "not judged"
+        table.add_row(v.label, v.created_at.replace("T", " ")[:19], str(v.lineage.trigger),
+                      v.lineage.dataset_digest[:12], verdict, status)
+    out.print(table)
+    if document["pending_move"]:
+        move = document["pending_move"]
+        out.print(f"[yellow]a move v{move['from_version']} -> v{move['to_version']} was interrupted[/]; the next "
+                  f"`ktflow promote`, `ktflow rollback` or run finishes or undoes it")
+    if alive:
+        out.print(f"serving: {endpoint.url}" + (f" (v{endpoint.adapter_version})" if endpoint.adapter_version else ""))
+    else:
+        out.print("serving: nothing is running")
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Serve a version as production: health-gated and smoke-tested; idempotent."""
+    from ktflow.stages.promotion import promote_version
+
+    recipe = _load(args)
+    moved = promote_version(recipe, _version_number(args.version), why="ktflow promote", log=_say,
+                            **_production_weights(recipe))
+    _announce(recipe, moved, "ktflow promote")
+    out.print(f"{recipe.name}: {moved.summary()} at {moved.endpoint.url}")
+    return 0
+
+
+def _announce(recipe, moved, why: str) -> None:
+    """``ktflow.adapter.promoted`` on the Prefect server this shell points at (PREFECT_API_URL), so a
+    hand-made move reaches the same notifications as the pipeline's; nothing without a server."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not moved.moved or not PREFECT_API_URL.value():
+        return
+    from prefect.events.worker import EventsWorker
+
+    from tasks.promote import emit_moved
+
+    emit_moved(recipe, moved, why)
+    EventsWorker.drain_all()  # delivered before this process exits
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    """Serve the version production pointed at before its last move."""
+    from ktflow.stages.promotion import rollback
+
+    recipe = _load(args)
+    moved = rollback(recipe, log=_say, **_production_weights(recipe))
+    _announce(recipe, moved, "ktflow rollback")
+    out.print(f"{recipe.name}: rolled back: {moved.summary()} at {moved.endpoint.url}")
+    return 0
+
+
+def add_serve_commands(add: _Add) -> None:
+    """Serving and evaluation: serve, eval."""
+    p = add("serve", cmd_serve, "serve the tuned model behind an OpenAI-compatible API")
+    _add_recipe(p)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--stop", action="store_true", help="stop the recipe's running server")
+
+    p = add("eval", cmd_eval, "evaluate base vs tuned through an endpoint")
+    _add_recipe(p)
+    p.add_argument("--endpoint", required=True, metavar="URL")
+
+
+def add_promotion_commands(add: _Add) -> None:
+    """Adapter versions and what serves: list, promote, roll back."""
+    p = add("adapters", cmd_adapters, "list the recipe's adapter versions, their lineage and verdicts, and which serves")
+    _add_recipe(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = add("promote", cmd_promote, "serve an adapter version as production (health-gated, smoke-tested)")
+    _add_recipe(p)
+    p.add_argument("version", metavar="VERSION", help="the version: 3 or v3 (see `ktflow adapters`)")
+
+    p = add("rollback", cmd_rollback, "serve the version production pointed at before its last move")
+    _add_recipe(p)
