@@ -7,7 +7,8 @@ The core, which every package below may import:
 
 - ``errors.py``: every exception type (exit 2 for bad input, 1 otherwise). ``units.py``: GiB, GB and
   how sizes are written.
-- ``recipe.py``: the Recipe model, one pydantic model per concept: load, override, validate.
+- ``recipe/``: the Recipe model, one pydantic model per concept (a module per section): load, override,
+  validate.
 - ``resources.py``: stage names, what a stage needs of a host, the shortfall wording, the preflight.
 - ``runner.py``: the stage runner (``StageSpec``, ``run_stage``): refuse, cache, lock, preflight,
   staging, work, verify, publish, progress.

@@ -1,0 +1,125 @@
+"""Serving (``serving``): the OpenAI-compatible endpoint, SGLang's names for sglang."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ktflow.recipe._base import _Strict
+
+ServingMethod = Literal["RAWINT4", "FP8", "BF16", "AMXBF16", "AMXINT8"]
+# kt_method -> what --kt-weight-path must hold.
+_SERVING_WEIGHTS: dict[str, str] = {
+    "RAWINT4": "the original Kimi INT4 checkpoint",
+    "FP8": "the original DeepSeek FP8 checkpoint",
+    "BF16": "a BF16 checkpoint",
+    "AMXBF16": "a BF16 checkpoint",
+    "AMXINT8": "ktflow's quantize-int8 output",
+}
+
+
+class ServingConfig(_Strict):
+    """The OpenAI-compatible endpoint. SGLang names for sglang; LlamaFactory's api for CPU."""
+
+    backend: Literal["sglang", "llamafactory"]
+    host: str = Field("127.0.0.1", description="Bind address; anything but loopback exposes it")
+    port: int | Literal["auto"] = Field(
+        30000, description="TCP port; 'auto' (llamafactory backend): a free port is taken when the server starts, and "
+        "the endpoint record says which (two checkouts on one host never collide)",
+    )
+    api_key_env: str = Field(
+        "KTFLOW_API_KEY",
+        pattern=r"^[A-Z_][A-Z0-9_]*$",
+        description="Environment variable holding the API key (the key itself never goes in a recipe)",
+    )
+    served_model_name: str = Field("ktflow", pattern=r"^[\w.-]+$")
+    adapter_name: str = Field("tuned", pattern=r"^[\w.-]+$")
+    ready_timeout_s: int = Field(1800, gt=0)
+    gpus: int = Field(1, ge=0, description="Tensor parallel size (sglang)")
+    # KT SGLang fork (sglang-kt)
+    kt_method: ServingMethod | None = None
+    kt_cpuinfer: int | None = Field(None, gt=0, description="CPU inference threads (default: physical cores)")
+    kt_threadpool_count: int = Field(
+        1, ge=1, description="NUMA thread pools; also the T the INT8 weights are quantized with"
+    )
+    kt_num_gpu_experts: int = Field(0, ge=0)
+    kt_gpu_prefill_token_threshold: int | None = None
+    kt_enable_dynamic_expert_update: bool = False
+    lora_backend: Literal["triton", "csgmv", "torch_native"] = "triton"
+    dynamic_lora: bool = Field(
+        False, description="The server loads adapters at run time (plain SGLang's /load_lora_adapter): a candidate "
+        "is judged under a second adapter name on it. sglang-kt loads one adapter at startup: leave off"
+    )
+    max_running_requests: int = Field(4, ge=1)
+    context_length: int | None = Field(None, gt=0)
+    chunked_prefill_size: int | None = Field(None, gt=0)
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    attention_backend: str | None = None
+    sampling_backend: Literal["flashinfer", "pytorch"] | None = Field(
+        None, description="--sampling-backend (sglang); unset: SGLang's default (flashinfer on CUDA). 'pytorch' "
+        "where flashinfer's sampling kernels cannot be built (the GPU host's torch 2.11 bundle)",
+    )
+    grammar_backend: Literal["xgrammar", "outlines", "llguidance", "none"] | None = Field(
+        None, description="--grammar-backend (sglang); 'none' serves without structured output (no grammar library)",
+    )
+    dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
+    disable_cuda_graph: bool = False
+    disable_radix_cache: bool = False
+    extra_args: list[str] = Field(default_factory=list, description="More launch_server flags")
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _a_port_or_auto(cls, value: object) -> object:
+        # One clear message instead of pydantic's one per union member.
+        if value == "auto":
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"{value} is not a TCP port: must be greater than or equal to 1 (or 'auto')")
+            if value > 65535:
+                raise ValueError(f"{value} is not a TCP port: must be less than or equal to 65535 (or 'auto')")
+            return value
+        raise ValueError(f"{value!r} is not a port: give a number 1-65535, or 'auto' for a free one")
+
+    @model_validator(mode="after")
+    def _backend_rules(self) -> ServingConfig:
+        kt_fields = [
+            k for k in ("kt_method", "kt_cpuinfer", "kt_gpu_prefill_token_threshold")
+            if getattr(self, k) is not None
+        ]
+        if self.backend == "llamafactory":
+            if kt_fields:
+                raise ValueError(
+                    f"backend 'llamafactory' does not take {', '.join(kt_fields)}; remove them "
+                    "or set backend: sglang"
+                )
+            return self
+        if self.port == "auto":
+            raise ValueError("@port: 'auto' is for the llamafactory backend; sglang-kt serves on a fixed port: set one")
+        if self.kt_method is None:
+            raise ValueError("@kt_method: backend 'sglang' needs one of RAWINT4, FP8, BF16, AMXBF16, AMXINT8")
+        if self.gpus < 1:
+            raise ValueError("@gpus: backend 'sglang' needs at least one GPU (gpus >= 1)")
+        # The KT fork's LoRA rules: ktflow always serves the tuned adapter.
+        if self.kt_num_gpu_experts != 0:
+            raise ValueError(
+                f"@kt_num_gpu_experts: must be 0 when serving a LoRA adapter with KT (got "
+                f"{self.kt_num_gpu_experts})"
+            )
+        if self.kt_gpu_prefill_token_threshold is not None:
+            raise ValueError(
+                "@kt_gpu_prefill_token_threshold: cannot be used with a KT LoRA adapter; remove it"
+            )
+        if self.kt_enable_dynamic_expert_update:
+            raise ValueError(
+                "@kt_enable_dynamic_expert_update: cannot be used with a KT LoRA adapter; set it false"
+            )
+        if self.max_running_requests < 2:
+            raise ValueError(
+                f"@max_running_requests: must be >= 2 for KT LoRA serving (got {self.max_running_requests})"
+            )
+        for flag in self.extra_args:
+            if flag.split("=", 1)[0] in ("--pp-size", "--pipeline-parallel-size", "--host"):
+                raise ValueError(f"@extra_args: may not set {flag}; use the recipe's own field")
+        return self
