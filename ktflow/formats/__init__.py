@@ -5,8 +5,9 @@
   inside the tools' own environments, so this package's ``__init__`` stays empty of imports.
 - ``checkpoint.py``: checkpoint format detection and validation from config and headers
   (Kimi-K2.5/K2 INT4, DeepSeek FP8, BF16), and a checkpoint's cheap identity digest.
-- ``dataset.py``: dataset validation and normalization for LlamaFactory (alpaca, sharegpt, openai),
-  every bad record named by file and line.
+- ``dataset/``: dataset validation and normalization for LlamaFactory, every bad record named by
+  file and line: a module per dialect (``alpaca``, ``sharegpt``, ``openai``), ``reader`` (config
+  checks, file reading, validation), ``prepare`` (digest and the published copy), ``_common``.
 - ``adapter.py``: the files a LoRA adapter directory holds (PEFT's, and KT's fused expert LoRA).
 
 Imports: errors, units, store, recipe; never a stage.
