@@ -7,7 +7,7 @@
   :func:`shortfalls`), and :func:`preflight`, which refuses a run this host cannot finish.
 
 The stage runner (:mod:`ktflow.runner`) checks these before a stage writes anything; the planner
-(:mod:`ktflow.planning.plan`) and the recipe model read them too, so a preflight and a plan never
+(:mod:`ktflow.plan`) and the recipe model read them too, so a preflight and a plan never
 disagree, and the recipe needs no part of the runner.
 """
 

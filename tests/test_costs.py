@@ -294,7 +294,7 @@ def test_run_sft_shapes_before_its_preflight(tmp_path: Path, fixture_dir) -> Non
 
 
 def _plan_sft(recipe: Recipe, host: HostInfo, **kwargs):
-    from ktflow.planning.plan import plan_recipe
+    from ktflow.plan import plan_recipe
 
     return next(s for s in plan_recipe(recipe, host, **kwargs).stages if s.stage == "sft")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
+from ktflow.plan import load_host, plan_recipe, size_from_facts
 from ktflow.planning.costs import hf_step_seconds, kt_step_seconds
-from ktflow.planning.plan import load_host, plan_recipe, size_from_facts
 from ktflow.planning.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory
 from ktflow.recipe import ModelFacts, load_recipe
 
@@ -355,11 +355,11 @@ def online_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(detect_agent, "_fetch_registry", lambda: None)
     with FakeHub(repo) as hub:
-        import ktflow.planning.plan
+        import ktflow.plan
         from ktflow.planning.sizing import hub_model_size
 
-        # ktflow.planning.plan asks the default endpoint; here that is the fake hub.
-        monkeypatch.setattr(ktflow.planning.plan, "hub_model_size", functools.partial(
+        # ktflow.plan asks the default endpoint; here that is the fake hub.
+        monkeypatch.setattr(ktflow.plan, "hub_model_size", functools.partial(
             hub_model_size, endpoint=hub.url, cache_dir=tmp_path / "hf-cache"))
         yield hub, model
 

@@ -167,7 +167,7 @@ def test_a_second_sglang_kt_server_must_fit_the_gpu_memory_production_leaves(ove
 def test_a_1t_kt_recipe_on_its_host_is_judged_by_swap_and_the_plan_says_so() -> None:
     """Kimi-K2.5 on a 2 x 48-core host with 1.5 TB: the CPU experts take most of the RAM; neither a
     second sglang-kt server nor BF16 generation fits beside production."""
-    from ktflow.planning.plan import plan_recipe
+    from ktflow.plan import plan_recipe
 
     recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml")
     host = _host(1536)

@@ -154,7 +154,7 @@ def test_doctor_says_the_same_for_the_recipe(big_model: Path, tmp_path: Path, mo
                                              capsys: pytest.CaptureFixture[str]) -> None:
     import ktflow.host.hardware
     from ktflow.cli import main
-    from ktflow.planning.stage_plan import check_recipe_on_host
+    from ktflow.plan import check_recipe_on_host
 
     recipe_file = write_recipe(tmp_path, big_model)
     checks = {c.stage: c for c in check_recipe_on_host(load_recipe(recipe_file), gpu_host())}
@@ -173,7 +173,7 @@ def test_doctor_says_the_same_for_the_recipe(big_model: Path, tmp_path: Path, mo
 
 
 def test_doctor_sizes_nothing_it_would_have_to_download(tmp_path: Path) -> None:
-    from ktflow.planning.stage_plan import check_recipe_on_host
+    from ktflow.plan import check_recipe_on_host
 
     recipe = load_recipe(REPO / "recipes/kimi-k2.5-bf16-int8.yaml", [f"store.root={tmp_path}"])
     assert recipe.source.repo_id is not None

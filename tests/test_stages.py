@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
-from ktflow.planning.stage_plan import STAGE_ORDER, check_recipe_on_host, plan_stages
+from ktflow.plan import check_recipe_on_host
+from ktflow.planning.stage_plan import STAGE_ORDER, plan_stages
 from ktflow.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

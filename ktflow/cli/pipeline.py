@@ -31,7 +31,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     host = probe_host(recipe.store.root if recipe else None)
     checks = []
     if recipe is not None:
-        from ktflow.planning.stage_plan import check_recipe_on_host
+        from ktflow.plan import check_recipe_on_host
 
         checks = _with_plan_problems(check_recipe_on_host(recipe, host), recipe, host)
     if args.json:
@@ -70,7 +70,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _with_plan_problems(checks: list, recipe, host) -> list:
     """The doctor's stage checks, with what the plan predicts will not fit (disk, RAM, GPU memory)."""
-    from ktflow.planning.plan import plan_recipe
+    from ktflow.plan import plan_recipe
 
     plan = {s.stage: s for s in plan_recipe(recipe, host).stages}
     merged = []
@@ -84,7 +84,7 @@ def _with_plan_problems(checks: list, recipe, host) -> list:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ktflow.host.hardware import probe_host
-    from ktflow.planning.plan import load_host, plan_recipe
+    from ktflow.plan import load_host, plan_recipe
 
     recipe = _load(args)
     host = load_host(Path(args.host)) if args.host else probe_host(recipe.store.root)

@@ -1,4 +1,4 @@
-"""Planning: which stages a recipe needs and where they run, and what each costs, before anything runs.
+"""Planning: which stages a recipe needs and where they run, and the models of what each costs.
 
 - ``stage_plan.py``: which stages a recipe needs and why, what each needs of a host's hardware,
   ``ktflow doctor --recipe``'s check, and the stages a host prepares for another (``StageSkipped``).
@@ -13,10 +13,10 @@
 - ``batch_shape.py``: tokens per record from the dataset, tokens per micro-batch, and the micro-batch
   split KT trains fastest that fits (``shape_kt_batches``), each at this host's own speed.
   Imports: costs, host_speed, sizing, recipe, resources, formats.
-- ``plan.py``: ``ktflow plan``: every stage's disk, RAM, GPU memory, GPUs and time on a host, read
-  from the stages' own declarations (``sft_needs``, ``serve_needs``, ``candidate_needs``).
-  Imports: the above, recipe, resources, and the stages' declared needs.
 
-The preflight (:mod:`ktflow.resources`) and these read the same declarations, so a plan says what
-the preflight will say.
+This package sits below the stages (they size and time their work with its models) and never imports
+one, not even inside a function. What puts a whole plan together from the stages' own declarations
+(``ktflow plan``, and ``ktflow doctor --recipe``'s check with the SFT stage's sizing) is
+:mod:`ktflow.plan`, a layer above the stages. The preflight (:mod:`ktflow.resources`) and the plan
+read the same declarations, so a plan says what the preflight will say.
 """

@@ -2,8 +2,9 @@
 
 This is the one place where what a recipe asks of each stage's host is written down (the stage
 names, their order and the host-requirement type are :mod:`ktflow.resources`'s). ``ktflow doctor``
-reads it to say whether this host can run a recipe; the stage flows re-check it on the host that
-picked a run up.
+reads it to say whether this host can run a recipe (:func:`ktflow.plan.check_recipe_on_host`, above
+the stages, adds the SFT stage's own sizing); the stage flows re-check it on the host that picked a run
+up.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ktflow.resources import INT8_KERNELS, STAGE_ORDER, HostRequirement, StageNa
 
 __all__ = [
     "INT8_KERNELS", "STAGE_ORDER", "HostRequirement", "StageCheck", "StageName", "StagePlan", "StageSkipped",
-    "check_recipe_on_host", "check_requirement", "deferral_reason", "host_requirements", "plan_stages",
+    "check_requirement", "deferral_reason", "host_requirements", "plan_stages",
     "prepared_for_another_host",
 ]
 
@@ -179,40 +180,3 @@ def host_requirements(recipe: Recipe) -> dict[StageName, HostRequirement]:
             threads_field="serving.kt_cpuinfer",
         )
     return reqs
-
-
-def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:
-    """The doctor's table: every stage of the recipe, whether it runs, and whether it can run here."""
-    reqs = host_requirements(recipe)
-    checks = []
-    for plan in plan_stages(recipe, host):
-        missing = check_requirement(reqs[plan.stage], host) if plan.needed else []
-        if plan.stage == "sft" and plan.needed and not missing:
-            missing = _sft_size_problems(recipe, host)
-        checks.append(
-            StageCheck(
-                stage=plan.stage,
-                needed=plan.needed,
-                reason=plan.reason,
-                runnable=not missing,
-                missing=missing,
-            )
-        )
-    return checks
-
-
-def _sft_size_problems(recipe: Recipe, host: HostInfo) -> list[str]:
-    """The SFT stage's GPU-memory preflight (``ktflow.stages.sft.check_hf_fits_gpus``), where the model is
-    already on this host (a local source, or a hub source downloaded): headers only, no download."""
-    from ktflow.errors import CheckpointError
-    from ktflow.planning.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
-    from ktflow.stages.weights import expected_source
-
-    source = expected_source(recipe)
-    if not (source / "config.json").is_file():
-        return []
-    try:
-        problem = sft_gpu_memory_problem(recipe, host, source)
-    except CheckpointError as exc:
-        return [f"sft cannot size the model: {exc}"]
-    return [f"sft: {problem} Fix: {HF_DOES_NOT_FIT_FIX}"] if problem else []

@@ -1,5 +1,10 @@
 """Plan before starting: what each stage of a recipe will need of a host, and how long it will take.
 
+The plan assembler: it sits above the stages and reads their declarations, while the models it
+uses (sizing, costs, batch shape, a host's speed) are :mod:`ktflow.planning`'s, below the stages.
+:func:`check_recipe_on_host` is ``ktflow doctor --recipe``'s table: the stages' host requirements
+plus the SFT stage's GPU-memory sizing.
+
 :func:`plan_recipe` reads the SFT and serve stages' own declarations (``sft_needs``,
 ``serve_needs``: what their preflights check, worded as they word it) for the model's size, sizes
 download, dequantize and quantize-int8 by their byte counts (their preflights measure the files
@@ -34,7 +39,7 @@ from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_
 from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate
 from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, kt_threads
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
-from ktflow.planning.stage_plan import host_requirements, plan_stages
+from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.resources import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.units import GB, GiB
@@ -319,6 +324,43 @@ def _check_fit(line: StageEstimate, host: HostInfo, ram: RamNeed | None, gpu: Gp
     if line.disk_bytes > host.disk_free_bytes:
         line.problems.append(f"needs ~{line.disk_bytes / GiB:.1f} GiB of disk; {host.disk_path} has "
                              f"{host.disk_free_bytes / GiB:.1f} GiB free")
+
+
+def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:
+    """The doctor's table: every stage of the recipe, whether it runs, and whether it can run here."""
+    reqs = host_requirements(recipe)
+    checks = []
+    for plan in plan_stages(recipe, host):
+        missing = check_requirement(reqs[plan.stage], host) if plan.needed else []
+        if plan.stage == "sft" and plan.needed and not missing:
+            missing = _sft_size_problems(recipe, host)
+        checks.append(
+            StageCheck(
+                stage=plan.stage,
+                needed=plan.needed,
+                reason=plan.reason,
+                runnable=not missing,
+                missing=missing,
+            )
+        )
+    return checks
+
+
+def _sft_size_problems(recipe: Recipe, host: HostInfo) -> list[str]:
+    """The SFT stage's GPU-memory preflight (``ktflow.stages.sft.check_hf_fits_gpus``), where the model is
+    already on this host (a local source, or a hub source downloaded): headers only, no download."""
+    from ktflow.errors import CheckpointError
+    from ktflow.planning.sizing import HF_DOES_NOT_FIT_FIX, sft_gpu_memory_problem
+    from ktflow.stages.weights import expected_source
+
+    source = expected_source(recipe)
+    if not (source / "config.json").is_file():
+        return []
+    try:
+        problem = sft_gpu_memory_problem(recipe, host, source)
+    except CheckpointError as exc:
+        return [f"sft cannot size the model: {exc}"]
+    return [f"sft: {problem} Fix: {HF_DOES_NOT_FIT_FIX}"] if problem else []
 
 
 def load_host(path: Path) -> HostInfo:
