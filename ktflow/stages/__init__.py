@@ -7,6 +7,8 @@ Artifact stages (a ``StageSpec``, published atomically with a manifest):
 - ``sft.py``: LoRA SFT through LlamaFactory (plain, KT 0.7, legacy KT): render, launch, follow,
   resume, the auto backend, publish.
 - ``convert_lora.py``: validate the adapter against its base; convert KT fused expert LoRA for SGLang.
+- ``adapter_check.py``: an adapter checked against its base and its KT manifest, headers only (what
+  convert-lora proves before and after converting, and serve before it loads an adapter).
 - ``quantize_int8.py``: kt-kernel's AMXINT8 CPU expert weights (the driver runs in the serving toolchain).
 
 Serving and promotion (a process and records, not an artifact):
