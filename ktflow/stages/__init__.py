@@ -16,6 +16,7 @@ Serving and promotion (a process and records, not an artifact):
 - ``serve.py``: the endpoint's lifecycle: start, health gate, smoke test, stop, swap with rollback.
 - ``sglang_launch.py``: the sglang-kt launch command and its rules.
 - ``evaluate.py``: base vs candidate vs production through the OpenAI API, or offline.
+- ``eval_metrics.py``: the evaluation's metrics (BLEU, ROUGE, option letters, style share, latency).
 - ``contamination.py``: the train/eval overlap check.
 - ``offline_generation.py``: answers through the training toolchain, no server.
 - ``promotion.py``: judge a candidate, promote, roll back, recover a killed move
