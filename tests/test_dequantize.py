@@ -321,9 +321,9 @@ def test_streamed_in_many_uneven_steps_is_still_bit_exact(
 ) -> None:
     """Decoded and copied tensors go out a few rows / bytes at a time: tiny steps (one row; rows not a
     multiple of the step, so a short last step) must give the same bytes as compressed-tensors."""
-    import ktflow.stages.dequantize as dq
+    import ktflow.formats.quant_decode as kernels
 
-    monkeypatch.setattr(dq, "_DECODE_CHUNK", chunk)
+    monkeypatch.setattr(kernels, "_DECODE_CHUNK", chunk)
     dequantize_checkpoint(fixture_dir(kind), tmp_path / "out", workers=2, fsync=False)
     assert_bit_identical(all_tensors(tmp_path / "out"), all_tensors(reference_bf16_dir(kind)))
 

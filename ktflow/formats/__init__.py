@@ -9,6 +9,8 @@
   file and line: a module per dialect (``alpaca``, ``sharegpt``, ``openai``), ``reader`` (config
   checks, file reading, validation), ``prepare`` (digest and the published copy), ``_common``.
 - ``adapter.py``: the files a LoRA adapter directory holds (PEFT's, and KT's fused expert LoRA).
+- ``quant_decode.py``: the decode rules as tensor kernels (compressed-tensors pack-quantized INT4 and
+  DeepSeek block FP8 to BF16, bit for bit), which the dequantize stage streams checkpoints through.
 
 Imports: errors, units, store, recipe; never a stage.
 """
