@@ -34,8 +34,8 @@ def _distributed(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:  # an xdist worker: the controller's token
-        token = workerinput[MARKER]
+    if workerinput is not None:  # an xdist worker: the controller's token, and which worker
+        token = f"{workerinput[MARKER]}/{workerinput['workerid']}"
     else:
         token = f"{os.getpid()}-{secrets.token_hex(8)}"
     config.stash[_TOKEN_KEY] = token
@@ -48,14 +48,25 @@ def pytest_configure_node(node) -> None:  # pytest-xdist: a worker is about to s
     node.workerinput[MARKER] = node.config.stash[_TOKEN_KEY]
 
 
+def started_here(proc: psutil.Process) -> bool:
+    """``proc`` was started (directly or not) by this test process: under pytest-xdist, by this worker,
+    not by the other worker's tests that run at the same time."""
+    mine = os.environ.get(MARKER)
+    try:
+        return mine is not None and proc.environ().get(MARKER) == mine
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
 def session_processes(token: str) -> list[psutil.Process]:
-    """Live processes that carry the session's token (zombies are dead: they hold nothing)."""
+    """Live processes that carry the session's token, from any worker (zombies are dead: they hold nothing)."""
     found = []
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
         try:
-            if proc.environ().get(MARKER) == token and proc.status() != psutil.STATUS_ZOMBIE:
+            value = proc.environ().get(MARKER, "")
+            if (value == token or value.startswith(token + "/")) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -27,6 +27,7 @@ import httpx
 import psutil
 import pytest
 import yaml
+from session_guard import started_here
 
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, ServerStartError, SwapError
 from ktflow.recipe import load_recipe
@@ -68,14 +69,15 @@ def _recipe(root: Path, model: Path, *overrides: str):
 
 
 def _marked_processes() -> dict[int, str]:
-    """Every process started by ktflow.stages.serve (it carries the marker): pid -> marker."""
+    """Every process ktflow.stages.serve started for this test process (it carries the marker; the
+    other pytest-xdist worker's servers, started meanwhile, are not this test's): pid -> marker."""
     found = {}
     for proc in psutil.process_iter():
         try:
             marker = proc.environ().get(SERVER_MARKER)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if marker:
+        if marker and started_here(proc):
             found[proc.pid] = marker
     return found
 
