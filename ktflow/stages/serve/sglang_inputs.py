@@ -60,6 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
 from pydantic import BaseModel
 
 from ktflow.errors import CheckpointError, KtflowError
@@ -223,18 +224,8 @@ def _remove_abandoned(view: Path) -> None:
     """Staging directories of ``view`` whose maker died (a kill mid-copy): never read, only in the way."""
     for staging in view.parent.glob(f".{view.name}.tmp-*"):
         pid = staging.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _link_rest(src: Path, dst: Path, skip: set[str]) -> None:
