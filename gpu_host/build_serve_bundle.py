@@ -165,7 +165,9 @@ def download(reqs: list[str]) -> list[Path]:
         for platform in PLATFORMS:
             argv += ["--platform", platform]
         print(f"download {req}", flush=True)
-        subprocess.run(argv + [req], check=True)
+        if subprocess.run(argv + [req]).returncode != 0:  # a pure-Python sdist (rouge-score): its wheel, built once
+            print(f"{req}: no wheel on the index; building one from its sdist", flush=True)
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(CACHE), req], check=True)
     wheels = []
     for req in reqs:
         wheel = _wheel_for(req)

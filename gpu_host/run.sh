@@ -9,6 +9,8 @@
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
 #                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
+#                                       promotion-NAME (serve_check.py promotion: promote, a base server, a candidate
+#                                       judged beside production, promote, rollback, on the real server)
 #                                       pack-adapter-NAME (the converted adapter into $RESULTS_OUT, for later calls)
 #                                       int8-NAME (ktflow quantize-int8 of NAME's BF16 base, T=1: $B/store/int8/NAME;
 #                                       the serve stage writes the .kt layout sglang-kt's AMXINT8 expert LoRA path
@@ -214,6 +216,21 @@ step_serve() {  # serve VIA NAME; SERVE_RECIPE / SERVE_MODEL / SERVE_KT_WEIGHTS 
   return "$rc"
 }
 
+step_promotion() {  # promotion NAME: serve_check.py promotion on tiny-sglang-NAME (SERVE_RECIPE / SERVE_SET /
+                    # SERVE_RECORDS / SERVE_TOKENS as for serve-NAME): the trained run of this machine's store as v1,
+                    # v1 without its expert LoRA as v2; promote, base server, judge v2 beside, promote v2, rollback
+  local name=$1 t=$(date +%s) rc=0 recipe tokens
+  recipe=${SERVE_RECIPE:-gpu_host/tiny-sglang-${name}.yaml}
+  tokens=${SERVE_TOKENS:-$RES/tokens-$name.json}
+  serve_env
+  local sets=() s
+  for s in ${SERVE_SET:-}; do sets+=(--set "$s"); done
+  "$SERVE_PY" gpu_host/serve_check.py promotion --recipe "$recipe" --records "${SERVE_RECORDS:-$B/inputs/data/train.jsonl}" \
+      --tokens "$tokens" --out "$RES/promotion-$name" "${sets[@]}" 2>&1 | tee "$RES/promotion-$name.log" || rc=$?
+  stamp "promotion-$name" "$t" "$rc"
+  return "$rc"
+}
+
 step_int8() {  # int8 NAME: ktflow quantize-int8 of NAME's BF16 base (T = INT8_T, default 1) into $B/store/int8/NAME
   # (serve-NAME with SERVE_KT_WEIGHTS=$B/store/int8/NAME: the serve stage writes the .kt layout itself;
   # serve-cli-NAME with serving.kt_method=AMXINT8 runs quantize-int8 itself, where the recipe's store keeps it)
@@ -264,6 +281,7 @@ for s in "${steps[@]}"; do
     big-reduced) step_big_reduced || status=1 ;;
     serve-setup) step_serve_setup || status=1 ;;
     serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
+    promotion-*) step_promotion "${s#promotion-}" || status=1 ;;
     serve-*) step_serve stage "${s#serve-}" || status=1 ;;
     pack-adapter-*) step_pack_adapter "${s#pack-adapter-}" || status=1 ;;
     int8-*) step_int8 "${s#int8-}" || status=1 ;;

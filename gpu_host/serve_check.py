@@ -233,7 +233,7 @@ def _queries(recipe, endpoint_url: str, key: str, model_dir: Path, records: list
     return out
 
 
-def _served_loss(root: str, key: str, adapter: str, tokens: Path) -> dict[str, Any]:
+def _served_loss(root: str, key: str, adapter: str | None, tokens: Path) -> dict[str, Any]:
     """The mean token loss of the training records (input_ids + labels as training tokenized them, the file
     gpu_host/loss_check.py tokens writes) from the server's prompt logprobs: the same figure as
     loss_check.py's ``loss`` (token-weighted over every label token), through SGLang's /generate."""
@@ -377,6 +377,205 @@ def cmd_run(args: argparse.Namespace) -> int:
     return status
 
 
+# --------------------------------------------------------------------------- promotion
+
+
+def _greedy_answers(url: str, key: str, model: str, questions: list[str]) -> list[str]:
+    """Temperature-0 chat answers: what a rejected candidate must leave unchanged on production."""
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key=key, timeout=120, max_retries=0)
+    try:
+        return [client.chat.completions.create(model=model, messages=[{"role": "user", "content": q}], max_tokens=48,
+                                               temperature=0).choices[0].message.content or "" for q in questions]
+    finally:
+        client.close()
+
+
+def write_no_expert_adapter(adapter_dir: Path, out_dir: Path) -> Path:
+    """The converted adapter without its routed-expert LoRA (``...mlp.experts.E.*`` tensors dropped),
+    published as an artifact of its own: the candidate a conversion that lost the expert part would
+    produce, and the "adapter without its expert part" server of the served-loss comparison."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ktflow.store import publish_dir, read_manifest, staging_dir_for
+
+    if read_manifest(out_dir) is not None:
+        return out_dir
+    source = read_manifest(adapter_dir)
+    assert source is not None, f"{adapter_dir} is not a published adapter"
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    staging = staging_dir_for(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    # only the modules left: sglang sets up LoRA buffers for every target module it is told of
+    config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in kept})
+    (staging / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(kept, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+    manifest = source.model_copy(update={
+        "inputs": {**source.inputs, "variant-of": source.digest()}, "files": [],
+        "extra": {**source.extra, "variant": "no-experts", "dropped_tensors": len(tensors) - len(kept)}})
+    publish_dir(staging, out_dir, manifest)
+    return out_dir
+
+
+def cmd_promotion(args: argparse.Namespace) -> int:
+    """Promotion on the real server (issue: a rejected candidate leaves production answering with the
+    production adapter; `ktflow promote` / `ktflow rollback` restart the real server, health-gated), and the
+    served loss of the base model and of the adapter without its expert part, through SGLang:
+
+    1. v1 = the SFT run's converted adapter, v2 = the same without its expert LoRA; both registered as the
+       pipeline registers versions. `ktflow promote R 1` starts production; greedy answers A1, served loss.
+    2. A base-model server (no adapter) on a free port through the serve stage: greedy answers, served loss.
+    3. judge_candidate(v2) as the evaluate stage calls it (the mode ktflow picks from the host's memory, or
+       --candidate; beside: a candidate server and a base server beside production); production's pid and
+       its answers (== A1) after.
+    4. `ktflow promote R 2`: the real server restarts with v2: answers, served loss (no expert LoRA).
+    5. `ktflow rollback R`: v1 again, answers == A1.  6. `ktflow serve R --stop`; no process left.
+    """
+    from ktflow.cli import project_dir_of
+    from ktflow.cli.serving import _production_weights, _served_adapter
+    from ktflow.demo import STYLE_MARKER
+    from ktflow.recipe import load_recipe
+    from ktflow.stages.evaluate import temporary_server
+    from ktflow.stages.promotion import judge_candidate, register_adapter, registry_of, serving_dir
+    from ktflow.stages.serve import read_endpoint
+    from ktflow.stages.sft import locate_adapter
+
+    out_dir = Path(args.out).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recipe_path = Path(args.recipe).absolute()
+    tokens = Path(args.tokens).absolute()
+    records = _records(Path(args.records).absolute(), 10_000)
+    questions = list(dict.fromkeys(r["messages"][0]["content"] for r in records))[:args.n_questions]
+    eval_file = out_dir / "eval.jsonl"  # the first distinct training questions: what the adapter memorized
+    first = {}
+    for r in records:
+        first.setdefault(r["messages"][0]["content"], r)
+    eval_file.write_text("".join(json.dumps(first[q]) + "\n" for q in questions))
+    os.chdir(project_dir_of(recipe_path))
+    sets = [*(args.set or []), f"evaluation.files=[{eval_file}]", "evaluation.format=openai", "evaluation.enabled=true",
+            f"evaluation.style={{marker: '{STYLE_MARKER}'}}", "evaluation.gate_metric=style",
+            f"evaluation.gate_min_gain={args.gate_min_gain}", "evaluation.allow_contamination=true",
+            "evaluation.max_tokens=48", *([f"evaluation.candidate={args.candidate}"] if args.candidate != "auto" else [])]
+    recipe = load_recipe(recipe_path, sets)
+    key = os.environ.get(recipe.serving.api_key_env) or secrets.token_urlsafe(24)
+    os.environ[recipe.serving.api_key_env] = key
+    ktflow = str(recipe.toolchains.serve.python.parent / "ktflow")
+    set_args = sum((["--set", s] for s in sets), [])
+    served, name = recipe.serving.served_model_name, recipe.serving.adapter_name
+    tuned = f"{served}:{name}"
+    results: dict[str, Any] = {"recipe": str(recipe_path), "overrides": sets, "questions": questions,
+                               "gpu_used_mib_before": _gpu_used_mib(), "steps": []}
+    pids: set[int] = set()
+
+    def log(line: str) -> None:
+        print(f"[promotion] {line}", flush=True)
+
+    def step(what: str, **facts: Any) -> None:
+        results["steps"].append({"step": what, "at": round(time.perf_counter() - started, 1), **facts})
+        log(f"{what}: {json.dumps(facts, default=str)[:900]}")
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+    def cli(command: str, *argv: str) -> subprocess.CompletedProcess:  # ktflow COMMAND RECIPE ARGV... --set ...
+        t = time.perf_counter()
+        done = subprocess.run([ktflow, command, str(recipe_path), *argv, *set_args], capture_output=True, text=True,
+                              timeout=recipe.serving.ready_timeout_s + 300)
+        log(f"$ ktflow {command} {' '.join(argv)} -> {done.returncode} in {time.perf_counter() - t:.1f} s\n"
+            f"{done.stdout[-1500:]}{done.stderr[-2500:]}")
+        return done
+
+    def production_now() -> Any:
+        ep = read_endpoint(serving_dir(recipe))
+        if ep is not None:
+            pids.add(ep.pid)
+        return ep
+
+    started = time.perf_counter()
+    status = 1
+    try:
+        weights = _production_weights(recipe)
+        base_dir = weights["base_dir"]
+        v1_dir = _served_adapter(recipe, base_dir)
+        sft_dir = locate_adapter(recipe, base_dir)
+        v2_dir = write_no_expert_adapter(v1_dir, v1_dir.parent / f"{v1_dir.name}-no-experts")
+        v1 = register_adapter(recipe, adapter_dir=v1_dir, sft_adapter_dir=sft_dir, base_dir=base_dir)
+        v2 = register_adapter(recipe, adapter_dir=v2_dir, sft_adapter_dir=sft_dir, base_dir=base_dir)
+        step("registered", v1=v1.version, v2=v2.version, v1_dir=v1_dir, v2_dir=v2_dir,
+             weights={k: str(v) for k, v in weights.items()})
+
+        t = time.perf_counter()
+        done = cli("promote", str(v1.version))
+        ep = production_now()
+        assert done.returncode == 0 and ep is not None, "ktflow promote v1 did not start production"
+        a1 = _greedy_answers(ep.url, key, tuned, questions)
+        root = ep.url.removesuffix("/v1")
+        step("promote v1 (start)", s=round(time.perf_counter() - t, 1), pid=ep.pid, url=ep.url, answers=a1,
+             marker=[STYLE_MARKER in a for a in a1], served_loss=_served_loss(root, key, name, tokens),
+             gpu_used_mib=_gpu_used_mib())
+
+        t = time.perf_counter()
+        with temporary_server(recipe, model_dir=weights["model_dir"], adapter_dir=None, api_key=key,
+                              record_dir=out_dir / "base-endpoint", what="base-model", log=log,
+                              kt_weight_dir=weights["kt_weight_dir"]) as base:
+            ready = round(time.perf_counter() - t, 1)
+            ab = _greedy_answers(base.url, key, base.model, questions)
+            step("base server (no adapter) beside production", ready_s=ready, url=base.url, answers=ab,
+                 marker=[STYLE_MARKER in a for a in ab],
+                 served_loss=_served_loss(base.url.removesuffix("/v1"), key, None, tokens), gpu_used_mib=_gpu_used_mib())
+
+        t = time.perf_counter()
+        judgement = judge_candidate(recipe, v2.version, model_dir=base_dir, serve_model_dir=weights["model_dir"],
+                                    kt_weight_dir=weights["kt_weight_dir"], log=log)
+        ev = judgement.evaluation
+        after = production_now()
+        a1_after = _greedy_answers(after.url, key, tuned, questions)
+        step("judge v2", s=round(time.perf_counter() - t, 1), mode=judgement.choice.mode, reason=judgement.choice.reason,
+             prices=[p.model_dump() for p in judgement.choice.prices],
+             accepted=judgement.accepted, summary=judgement.summary(), table=ev.table, report=ev.report_md,
+             production_pid_same=after.pid == ep.pid, production_answers_same=a1_after == a1, answers=a1_after,
+             verdict=registry_of(recipe).get(v2.version).verdict)
+
+        t = time.perf_counter()
+        done = cli("promote", str(v2.version))
+        ep2 = production_now()
+        assert done.returncode == 0 and ep2 is not None, "ktflow promote v2 failed"
+        a2 = _greedy_answers(ep2.url, key, tuned, questions)
+        step("promote v2 (restart)", s=round(time.perf_counter() - t, 1), pid=ep2.pid, version=ep2.adapter_version,
+             answers=a2, marker=[STYLE_MARKER in a for a in a2],
+             served_loss=_served_loss(ep2.url.removesuffix("/v1"), key, name, tokens))
+
+        t = time.perf_counter()
+        done = cli("rollback")
+        ep3 = production_now()
+        assert done.returncode == 0 and ep3 is not None, "ktflow rollback failed"
+        a3 = _greedy_answers(ep3.url, key, tuned, questions)
+        step("rollback to v1 (restart)", s=round(time.perf_counter() - t, 1), pid=ep3.pid, version=ep3.adapter_version,
+             answers=a3, answers_same_as_v1=a3 == a1,
+             served_loss=_served_loss(ep3.url.removesuffix("/v1"), key, name, tokens))
+        done = cli("adapters")
+        step("ktflow adapters", out=done.stdout[-3000:])
+        status = 0
+    except BaseException as exc:  # noqa: BLE001 - recorded, then everything is stopped
+        results["error"] = f"{type(exc).__name__}: {exc}"
+        results["trace"] = traceback.format_exc()[-4000:]
+        log(f"FAILED: {results['error']}")
+    finally:
+        done = cli("serve", "--stop")
+        time.sleep(3)
+        results["stopped"] = done.stdout.strip()
+        results["leftover_processes"] = _leftovers(pids)
+        results["gpu_used_mib_after"] = _gpu_used_mib()
+        log_path = serving_dir(recipe) / "server.log"
+        (out_dir / "server.log.tail").write_text(_tail(log_path, 400) + "\n")
+        step("stopped", leftovers=results["leftover_processes"], gpu_used_mib=results["gpu_used_mib_after"])
+    return status or (3 if results["leftover_processes"] else 0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -393,8 +592,18 @@ def main() -> int:
     r.add_argument("--n-records", type=int, default=8)
     r.add_argument("--tokens", help="gpu_host/loss_check.py tokens output: also the served loss over those tokens")
     r.add_argument("--set", action="append", help="recipe override KEY=VALUE (as ktflow's --set)")
+    pr = sub.add_parser("promotion", help=cmd_promotion.__doc__.splitlines()[0])
+    pr.add_argument("--recipe", required=True)
+    pr.add_argument("--records", required=True, help="the training records (chat); the first distinct questions are asked")
+    pr.add_argument("--tokens", required=True, help="gpu_host/loss_check.py tokens output: the served losses")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--n-questions", type=int, default=8)
+    pr.add_argument("--gate-min-gain", type=float, default=75.0)
+    pr.add_argument("--candidate", default="auto", choices=["auto", "beside", "offline", "swap"],
+                    help="evaluation.candidate (auto: unset, ktflow picks the mode from the host's memory)")
+    pr.add_argument("--set", action="append", help="recipe override KEY=VALUE (as ktflow's --set)")
     args = ap.parse_args()
-    return {"env": cmd_env, "run": cmd_run}[args.cmd](args)
+    return {"env": cmd_env, "run": cmd_run, "promotion": cmd_promotion}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -217,3 +217,21 @@ def test_sft_refuses_the_kt_backend_on_deepseek_v2_before_anything_runs(fixture_
     assert dry.returncode == 0 and "would refuse" in dry.stderr and json.loads(dry.stdout)["launch"]
     assert "kt-legacy" in result.stderr and "Traceback" not in result.stderr
     assert not (store / "runs").exists()
+
+
+def test_a_promotion_in_a_toolchain_without_prefect_stands_and_says_nothing_was_announced(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ktflow promote` / `rollback` run in the GPU host's serving toolchain, which has no Prefect: the move is
+    done when the event would be emitted, so a missing Prefect must not fail the command (it did, on the host:
+    "No module named 'prefect'" after the server was up); with PREFECT_API_URL set, it says the event was not sent."""
+    from ktflow.cli.serving import _announce
+    from ktflow.stages.promotion import MoveResult
+
+    moved = MoveResult(version=2, replaced=1, moved=True)
+    monkeypatch.setitem(sys.modules, "prefect.settings", None)  # import prefect.settings -> ImportError
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    _announce(None, moved, "ktflow promote")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    _announce(None, moved, "ktflow promote")
+    assert "ktflow.adapter.promoted was not emitted" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -238,3 +239,35 @@ def test_which_configs_get_the_deepseek_fields(tmp_path: Path, config: dict, add
     (tmp_path / "config.json").write_text(json.dumps(config))
     plan = model_view_plan(tmp_path)
     assert (plan.added if plan else None) == added and (plan is None or plan.kind == "config")
+
+
+def test_the_no_expert_candidate_of_the_promotion_check_is_a_published_ordinary_lora(tmp_path: Path) -> None:
+    """serve_check.py promotion's v2: the converted adapter without its expert LoRA, a new artifact (its own
+    digest, so its own version), naming only the modules it still carries, which sglang-kt serves as an ordinary
+    LoRA (and ktflow with --kt-method BF16, the name kt-kernel's inference path takes)."""
+    import serve_check
+    from safetensors.numpy import load_file, save_file
+
+    from ktflow.stages.serve.sglang_inputs import has_expert_lora
+    from ktflow.stages.sglang_launch import served_kt_method
+    from ktflow.store import StageManifest, publish_dir, read_manifest
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    expert = "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight"
+    attention = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
+    save_file({expert: np.ones((4, 8), np.float32), attention: np.ones((8, 4), np.float32)},
+              str(staging / "adapter_model.safetensors"))
+    (staging / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["o_proj", "down_proj"]}))
+    converted = tmp_path / "converted"
+    publish_dir(staging, converted, StageManifest(stage="convert-lora", inputs={"base": "b" * 64}))
+
+    out = serve_check.write_no_expert_adapter(converted, tmp_path / "converted-no-experts")
+    assert set(load_file(str(out / "adapter_model.safetensors"))) == {attention}
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["o_proj"]
+    manifest = read_manifest(out)
+    assert manifest is not None and manifest.digest() != read_manifest(converted).digest()
+    assert manifest.extra["dropped_tensors"] == 1 and manifest.inputs["variant-of"] == read_manifest(converted).digest()
+    assert has_expert_lora(converted) and not has_expert_lora(out)
+    assert served_kt_method("AMXBF16", converted) == "AMXBF16" and served_kt_method("AMXBF16", out) == "BF16"
+    assert serve_check.write_no_expert_adapter(converted, out) == out  # published once

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
+import numpy as np
 import pytest
 import yaml
 
@@ -124,6 +125,36 @@ def test_rawint4_command_line(weights, adapter: Path) -> None:
     assert launch.api_key_env == "KTFLOW_API_KEY"
     # sglang-kt reads the checkpoint's own config.json only with this (the rendered launch, so --dry-run shows it)
     assert launch.env == {"PYTHONUNBUFFERED": "1", "SGLANG_APPLY_CONFIG_BACKUP": "none"}
+
+
+def test_amxbf16_is_served_as_bf16_by_a_server_without_an_expert_lora(weights, tmp_path: Path) -> None:
+    """kt-kernel's inference wrapper (no expert LoRA: the base model's server, an adapter without its expert
+    part) refuses AMXBF16 and takes BF16; with an expert LoRA sglang-kt maps either name to AMXBF16_SFT."""
+    from safetensors.numpy import save_file
+
+    r = recipe("qwen3-30b-a3b-bf16.yaml", "serving.kt_method=AMXBF16")
+
+    def adapter_with(*names: str) -> Path:
+        out = tmp_path / f"adapter-{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+        save_file({n: np.zeros((8, 16), np.float32) for n in names}, str(out / "adapter_model.safetensors"))
+        return out
+
+    def method(adapter_dir: Path | None) -> str:
+        args = render(r, weights, adapter_dir).launch_args
+        return args[args.index("--kt-method") + 1]
+
+    expert = "base_model.model.model.layers.1.mlp.experts.0.gate_proj.lora_A.weight"
+    attention = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
+    assert method(adapter_with(expert, attention)) == "AMXBF16"
+    assert method(adapter_with(attention)) == "BF16"
+    assert method(None) == "BF16"
+    assert "--enable-lora" not in render(r, weights, None).launch_args
+    dry_run = render(r, weights, tmp_path / "not-written-yet", check_files=False).launch_args
+    assert dry_run[dry_run.index("--kt-method") + 1] == "AMXBF16"  # a KT SFT adapter carries its expert LoRA
+    r = recipe("qwen3-30b-a3b-bf16.yaml")  # kt_method BF16: the name both paths take
+    assert method(adapter_with(expert, attention)) == method(None) == "BF16"
 
 
 def test_kt_cpuinfer_set_in_the_recipe_and_extra_args_last(weights, adapter: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -236,9 +237,16 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def _announce(recipe, moved, why: str) -> None:
     """``ktflow.adapter.promoted`` on the Prefect server this shell points at (PREFECT_API_URL), so a
     hand-made move reaches the same notifications as the pipeline's; nothing without a server."""
-    from prefect.settings import PREFECT_API_URL
-
-    if not moved.moved or not PREFECT_API_URL.value():
+    if not moved.moved:
+        return
+    try:
+        from prefect.settings import PREFECT_API_URL
+    except ImportError:  # a toolchain without Prefect (the GPU host's serving bundle): the move stands
+        if os.environ.get("PREFECT_API_URL"):
+            _say(f"PREFECT_API_URL is set but Prefect is not installed in {sys.executable}: "
+                 "ktflow.adapter.promoted was not emitted")
+        return
+    if not PREFECT_API_URL.value():
         return
     from prefect.events.worker import EventsWorker
 

@@ -247,7 +247,7 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
     args = [
         "--model-path", str(model_dir),
         "--kt-weight-path", str(kt_weight_dir),
-        "--kt-method", serving.kt_method,
+        "--kt-method", served_kt_method(serving.kt_method, adapter_dir),
         "--kt-cpuinfer", str(cpuinfer),
         "--kt-threadpool-count", str(serving.kt_threadpool_count),
         "--kt-num-gpu-experts", "0",
@@ -274,6 +274,27 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
     if serving.disable_radix_cache:
         args.append("--disable-radix-cache")
     return args + serving.extra_args
+
+
+def served_kt_method(method: str, adapter_dir: Path | None) -> str:
+    """The ``--kt-method`` of one server: ``serving.kt_method``, except AMXBF16 without an expert LoRA.
+
+    AMXBF16 names kt-kernel's BF16 *SFT* kernel: sglang-kt builds it only for an adapter with an expert LoRA
+    (and maps BF16 and AMXBF16 alike to AMXBF16_SFT then). A server without one (the base model's, or an
+    adapter without its expert part) gets kt-kernel's inference wrapper, which takes BF16 and refuses
+    AMXBF16 ("Method 'AMXBF16' not supported for inference mode", seen on the GPU host): the same BF16
+    experts on the CPU, under the name that path knows. An adapter whose weights are not on disk yet (a
+    dry run) is taken to carry its expert LoRA, as a KT SFT adapter does.
+    """
+    if method != "AMXBF16":
+        return method
+    if adapter_dir is None:
+        return "BF16"
+    from ktflow.stages.serve.sglang_inputs import has_expert_lora
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    known = weights.is_file() and weights.stat().st_size > 0
+    return "BF16" if known and not has_expert_lora(adapter_dir) else method
 
 
 def _check_host(recipe: Recipe, host: HostInfo, api_key_env_present: bool) -> int:
