@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import tempfile
@@ -44,6 +45,9 @@ PREFIXES = ("base_model.model.", "language_model.")
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
+    # one GPU at most: LlamaFactory refuses a non-distributed process that sees several ("Please launch
+    # distributed training"), and tokenizing needs none
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     import yaml
     from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
     from llamafactory.hparams import get_train_args

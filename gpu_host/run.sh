@@ -22,13 +22,19 @@
 #   build/gpu-host/serve-parts/serve.tar.xz.NN  gpu_host/build_serve_bundle.py (the SGLang serving toolchain)
 #   build/gpu-host/serve-inputs/converted/NAME  a converted adapter from an earlier call (pack-adapter-NAME), used
 #                                           by serve-NAME when this machine has not trained NAME itself
+# GPUS=N trains on N GPUs (--set sft.gpus=N) into build/gpu-host/store-gpusN, results in build/gpu-host/results/gpusN.
 # Outputs: build/gpu-host/store (runs, adapters, converted adapters), build/gpu-host/results
 # (timings.jsonl, loss reports, key summaries); RESULTS_OUT=DIR also gets results.tar.gz.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 B=build/gpu-host
-RES=$B/results
+# GPUS=N (default 1): train with `--set sft.gpus=N` (the recipe's batch kept, each GPU an equal share), in a
+# store and a results folder of their own (store-gpusN, results/gpusN), so 1- and N-GPU runs sit side by side
+GPUS=${GPUS:-1}
+TAG=""
+[ "$GPUS" = 1 ] || TAG="-gpus$GPUS"
+RES=$B/results${TAG:+/gpus$GPUS}
 mkdir -p "$RES"
 PY="$REPO/$B/bundle/bin/python"
 export KTFLOW_SRC="$REPO" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -39,13 +45,15 @@ stamp() {  # stamp NAME START_EPOCH RC
 # NAME -> recipe and store: bf16, rawint4 (store build/gpu-host/store); bf16-resumed: the bf16 recipe in
 # its own store (build/gpu-host/store-kill), killed mid-run and resumed.
 recipe_of() { echo "gpu_host/tiny-kt-${1%-resumed}.yaml"; }
-store_of() { case "$1" in *-resumed) echo "$B/store-kill" ;; *) echo "$B/store" ;; esac; }
+store_of() { case "$1" in *-resumed) echo "$B/store-kill$TAG" ;; *) echo "$B/store$TAG" ;; esac; }
 run_dir() {  # the newest run directory of NAME
   { ls -td "$(store_of "$1")"/runs/tiny-kt-"${1%-resumed}"-* 2>/dev/null || true; } | { grep -v "\.lock$" || true; } | head -1
 }
-gpu_mem_watch() {  # peak GPU memory (MiB) while a step runs
-  ( peak=0; while sleep 0.5; do m=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1);
-      [ "${m:-0}" -gt "$peak" ] && peak=$m && echo "$peak" >"$RES/gpu_peak_$1.mib"; done ) &
+gpu_mem_watch() {  # peak GPU memory (MiB) of each GPU the step uses, comma-separated, while it runs
+  ( peak=(); while sleep 0.5; do
+      mapfile -t m < <(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -"$GPUS")
+      for i in "${!m[@]}"; do [ "${m[$i]:-0}" -gt "${peak[$i]:-0}" ] && peak[$i]=${m[$i]}; done
+      (IFS=,; echo "${peak[*]}") >"$RES/gpu_peak_$1.mib"; done ) &
   WATCH=$!
 }
 
@@ -64,7 +72,7 @@ step_setup() {
   stamp setup "$t" 0
 }
 
-sft_argv() { echo "-m ktflow.cli sft $(recipe_of "$1") --set store.root=../$(store_of "$1")"; }
+sft_argv() { echo "-m ktflow.cli sft $(recipe_of "$1") --set store.root=../$(store_of "$1")${TAG:+ --set sft.gpus=$GPUS}"; }
 sft() {  # sft NAME -> ktflow sft gpu_host/tiny-kt-NAME.yaml, as a user starts it
   # shellcheck disable=SC2046
   "$PY" $(sft_argv "$1") 2>&1 | tee -a "$RES/sft-$1.log"
@@ -101,6 +109,7 @@ step_killresume() {  # killresume NAME: kill -9 the whole training mid-run, then
   killed_at=$(tail -1 "$(run_dir "$name")/output/trainer_log.jsonl")
   echo "{\"killed_after\": $killed_at}" >"$RES/kill-$name.json"
   ls "$(run_dir "$name")/output" >>"$RES/kill-$name.json"
+  ls -la "$(run_dir "$name")"/output/checkpoint-* >"$RES/kill-$name-checkpoints.txt" 2>&1 || true
   stamp "sft-$name-until-kill" "$t" 0
   t=$(date +%s)
   sft "$name" || rc=$?
@@ -116,9 +125,9 @@ step_convert() {  # convert NAME
   local name=$1 t=$(date +%s) rc=0 base
   base=$(base_of "$name")
   "$PY" gpu_host/kt_summary.py "$(adapter_of "$name")" >"$RES/kt-adapter-$name.txt" 2>&1 || true
-  "$PY" -m ktflow.cli convert-lora "$(adapter_of "$name")" "$B/store/converted/$name" --base "$base" \
+  "$PY" -m ktflow.cli convert-lora "$(adapter_of "$name")" "$(store_of "$name")/converted/$name" --base "$base" \
       --serve-python "$PY" 2>&1 | tee "$RES/convert-$name.log" || rc=$?
-  [ "$rc" = 0 ] && "$PY" gpu_host/kt_summary.py "$B/store/converted/$name" >"$RES/converted-$name.txt" 2>&1 || true
+  [ "$rc" = 0 ] && "$PY" gpu_host/kt_summary.py "$(store_of "$name")/converted/$name" >"$RES/converted-$name.txt" 2>&1 || true
   stamp "convert-$name" "$t" "$rc"
   return "$rc"
 }
@@ -132,7 +141,7 @@ step_losscheck() {  # losscheck NAME
   fi
   "$PY" gpu_host/loss_check.py tokens "$(run_dir "$name")" "$RES/tokens-$name.json"
   for v in ${LOSSCHECK_VARIANTS:-base full no-experts transposed}; do
-    python3 gpu_host/loss_check.py loss "$base" "$B/store/converted/$name" "$RES/tokens-$name.json" --variant "$v" \
+    python3 gpu_host/loss_check.py loss "$base" "$(store_of "$name")/converted/$name" "$RES/tokens-$name.json" --variant "$v" \
         --json "$RES/loss-$name-$v.json" || echo "variant $v failed"
   done
   stamp "losscheck-$name" "$t" 0

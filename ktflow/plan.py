@@ -105,7 +105,7 @@ def sft_steps(recipe: Recipe, records: int | None) -> int | None:
         return sft.max_steps
     if records is None:
         return None
-    per_step = sft.per_device_train_batch_size * sft.gradient_accumulation_steps * max(sft.gpus, 1)
+    per_step = sft.per_device_train_batch_size * sft.gradient_accumulation_steps  # over all GPUs
     records = min(records, sft.max_samples or records)
     return max(1, int(sft.num_train_epochs * -(-records // per_step)))
 
@@ -288,7 +288,7 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
         calibration = speed.basis if speed is not None else UNCALIBRATED
         basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
-                 f"{sft.per_device_train_batch_size} x {sft.gradient_accumulation_steps} micro-batches, "
+                 f"{sft.gpu_split().describe()}, "
                  f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
                  f"model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput; {calibration})")
     elif sft.backend == "hf" and sft.gpus > 0:

@@ -61,6 +61,7 @@ def sft_task(recipe: Recipe, model_dir: str) -> SftResult:
             markdown=(
                 f"### SFT: {recipe.name} ({result.backend or recipe.sft.backend})\n\n"
                 + (f"`sft.backend: auto` chose {result.backend_reason}\n\n" if result.backend_reason else "")
+                + (f"{result.batch[0].upper()}{result.batch[1:]}\n\n" if result.batch else "")
                 + (f"KT step {result.kt_step['measured_step_s']:.1f} s measured against "
                    f"{result.kt_step['predicted_step_s']:.1f} s predicted by the model as fitted: the next plan on "
                    f"`{result.kt_step['host']}` is calibrated by it\n\n" if result.kt_step else "")

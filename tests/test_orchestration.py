@@ -40,6 +40,8 @@ from distributed import processes_of_run as _processes_of_run
 from distributed import wait_for_training as _wait_for_training
 from prefect_cluster import REPO
 
+from ktflow.stages.sft.resume import checkpoint_is_complete
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (REPO / ".venv-train").exists() or not (REPO / ".venv-serve").exists(),
@@ -274,8 +276,9 @@ def test_a_killed_stage_is_retried_and_resumes_from_its_checkpoint(setup: Setup)
     earlier = set((setup.root / "store").glob("runs/*/output/checkpoint-*"))
     parent = setup.start_pipeline(setup.crash_recipe(data))
 
-    def checkpointed() -> bool:
-        return bool(set((setup.root / "store").glob("runs/*/output/checkpoint-*")) - earlier)
+    def checkpointed() -> bool:  # a complete one: a kill during the save leaves nothing to resume from
+        return any(checkpoint_is_complete(c) for c in set((setup.root / "store").glob("runs/*/output/checkpoint-*"))
+                   - earlier)
 
     sft = _wait_for_training(setup, parent, 400, checkpointed)
     victims = _processes_of_run(sft["id"])

@@ -60,6 +60,41 @@ def test_kt_07_renders_accelerate_fsdp2_launch(name: str) -> None:
     assert cfg["overwrite_output_dir"] is False and cfg["save_only_model"] is False
 
 
+@pytest.mark.parametrize(("b", "g", "gpus", "split"), [
+    (4, 1, 1, (4, 1)), (4, 1, 2, (2, 1)), (4, 1, 4, (1, 1)),  # the micro-batch shrinks only when it must
+    (1, 8, 2, (1, 4)), (2, 4, 2, (2, 2)), (2, 3, 2, (1, 3)), (3, 2, 2, (3, 1)), (1, 8, 8, (1, 1)),
+])
+def test_the_recipes_batch_is_kept_whatever_the_gpu_count(b: int, g: int, gpus: int, split: tuple[int, int]) -> None:
+    """per_device_train_batch_size x gradient_accumulation_steps is the batch a step holds on any number of
+    GPUs: LlamaFactory gets each GPU's share (it multiplies by the GPU count), never a larger micro-batch."""
+    recipe, plan = render("kimi-k2.5-rawint4.yaml", f"sft.per_device_train_batch_size={b}",
+                          f"sft.gradient_accumulation_steps={g}", f"sft.gpus={gpus}")
+    cfg = plan.train_config
+    assert (cfg["per_device_train_batch_size"], cfg["gradient_accumulation_steps"]) == split
+    assert plan.accelerate_config["num_processes"] == gpus
+    assert cfg["per_device_train_batch_size"] * cfg["gradient_accumulation_steps"] * gpus == b * g
+    assert recipe.sft.gpu_split().describe().startswith(f"batch {b * g} records a step")
+
+
+def test_a_batch_the_gpus_cannot_share_evenly_is_refused_with_the_fix() -> None:
+    from ktflow.errors import RecipeError
+
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml", ["sft.per_device_train_batch_size=1",
+                                                         "sft.gradient_accumulation_steps=6", "sft.gpus=4"])
+    text = str(caught.value)
+    assert "sft.gpus" in text and "6 records a step" in text and "gradient_accumulation_steps to 8" in text
+
+
+def test_the_plan_counts_the_same_steps_on_one_gpu_and_on_two() -> None:
+    from ktflow.plan import sft_steps
+
+    one = load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml", ["sft.gpus=1"])
+    two = load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml", ["sft.gpus=2"])
+    assert one.sft.max_steps is None and one.sft.per_device_train_batch_size * one.sft.gradient_accumulation_steps == 64
+    assert sft_steps(one, 1000) == sft_steps(two, 1000) == int(one.sft.num_train_epochs * -(-1000 // 64))
+
+
 def test_rawint4_render_matches_kt_rules() -> None:
     _, plan = render("kimi-k2.5-rawint4.yaml")
     kt = plan.train_config["kt_config"]
@@ -197,6 +232,36 @@ def test_incomplete_checkpoints_are_set_aside(tmp_path: Path) -> None:
     (partial / "adapter_model.safetensors").write_bytes(b"truncated")
     assert last_complete_checkpoint(out) == good
     assert not partial.exists() and list(out.glob(".incomplete-checkpoint-4-*"))
+
+
+@pytest.mark.parametrize("optimizer", ["optimizer.pt", "optimizer.bin", "optimizer_0/.metadata", "kt"])
+def test_a_checkpoint_is_complete_with_the_optimizer_state_as_each_launch_saves_it(tmp_path: Path,
+                                                                                 optimizer: str) -> None:
+    """One process saves optimizer.pt; accelerate's FSDP over several processes optimizer.bin (full state dict) or
+    optimizer_0/ (sharded, complete once torch.distributed.checkpoint wrote its .metadata); transformers-kt on
+    2+ GPUs one optimizer_rank_NNNNN.pt per rank, then kt_optimizer.index.json naming them (what ktflow took for
+    an incomplete checkpoint on the 2-GPU host, restarting a killed 2-GPU run from step 0)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ktflow.stages.sft.resume import checkpoint_is_complete
+
+    ckpt = tmp_path / "checkpoint-24"
+    (ckpt / "optimizer_0").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, ckpt / "adapter_model.safetensors")
+    (ckpt / "scheduler.pt").write_bytes(b"x")
+    (ckpt / "trainer_state.json").write_text("{}")
+    assert not checkpoint_is_complete(ckpt)  # no optimizer state yet: a kill during the save
+    if optimizer == "kt":
+        ranks = ["optimizer_rank_00000.pt", "optimizer_rank_00001.pt"]
+        (ckpt / ranks[0]).write_bytes(b"x")
+        index = {"version": 1, "world_size": 2, "rank_files": ranks}
+        (ckpt / "kt_optimizer.index.json").write_text(json.dumps(index))
+        assert not checkpoint_is_complete(ckpt)  # rank 1's file missing
+        (ckpt / ranks[1]).write_bytes(b"x")
+    else:
+        (ckpt / optimizer).write_bytes(b"x")
+    assert checkpoint_is_complete(ckpt)
 
 
 # --------------------------------------------------------------------------- real training

@@ -68,7 +68,8 @@ def write_recipe(tmp_path: Path, model: Path, *, backend: str = "hf", gpus: int 
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                              {"role": "assistant", "content": "Hello, nya~"}]}) + "\n")
     sft: dict = {"backend": backend, "gpus": gpus, "cutoff_len": 256, "lora_rank": 8, "lora_alpha": 16,
-                 "lora_target": "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", "max_steps": 6}
+                 "lora_target": "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", "max_steps": 6,
+                 "gradient_accumulation_steps": gpus or 1}  # a batch of one record each GPU
     if backend == "kt":
         sft.update(kt_cpu_activation="retain", disable_gradient_checkpointing=True,
                    kt_config={"kt_backend": "RAWINT4", "kt_expert_weight_format": "rawint4", "kt_num_gpu_experts": 0,

@@ -156,6 +156,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
         resumed = f", resumed from {result.resumed_from}" if result.resumed_from else ""
         loss = f", final loss {result.final_loss:.4f}" if result.final_loss is not None else ""
         out.print(f"sft: {result.steps} steps{loss} in {result.seconds:.1f} s{resumed} -> {result.adapter_dir}")
+        if result.batch:
+            out.print(f"sft: {result.batch}", markup=False)
         if result.backend_reason:
             out.print(f"sft.backend auto chose {result.backend_reason}", markup=False)
         if result.batch_shape:

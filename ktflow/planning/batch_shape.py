@@ -192,7 +192,8 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
                      costs: CostModel = COSTS) -> ShapeChoice:
     """The split of ``recipe``'s effective batch KT is predicted to train fastest on ``host``.
 
-    Every ``b x g`` with ``b x g = per_device_train_batch_size x gradient_accumulation_steps`` is
+    Every ``b x g`` with ``b x g = per_device_train_batch_size x gradient_accumulation_steps`` (and, on
+    several GPUs, ``b`` dividing each GPU's share, :meth:`~ktflow.recipe.SftConfig.gpu_split`) is
     predicted (:func:`~ktflow.planning.costs.kt_step_estimate`, tokens from ``lengths``) and checked as
     the SFT preflight checks it (:func:`~ktflow.planning.sizing.kt_sft_needs`, at ``b x cutoff_len``
     tokens), with a 10 % GPU margin for a split other than the written one. Applied only when
@@ -202,11 +203,12 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
     sft = recipe.sft
     threads = kt_threads(sft, host.physical_cores)
     effective = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
+    share = effective // max(sft.gpus, 1)  # each GPU's records a step (SftConfig refuses an uneven split)
     records = host_records(recipe, host.hostname, threads)  # the splits share the host, format and threads
     written = _shape(recipe, size, host, threads, lengths, costs, records)
     candidates = []
-    for batch in range(1, effective + 1):
-        if effective % batch:
+    for batch in range(1, share + 1):
+        if share % batch:  # a micro-batch every GPU trains as it is (gpu_split keeps it)
             continue
         shape = written if batch == sft.per_device_train_batch_size else _shape(
             _with_split(recipe, batch, effective // batch), size, host, threads, lengths, costs, records)

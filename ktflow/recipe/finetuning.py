@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ktflow.recipe._base import _Strict
 from ktflow.recipe.model import INT4_FORMATS
@@ -69,6 +69,29 @@ class KtConfig(_Strict):
         return self.kt_threadpool_count if self.kt_tp_enabled else 1
 
 
+class GpuSplit(BaseModel):
+    """How an optimizer step's records are split over ``sft.gpus`` GPUs (what LlamaFactory is given).
+
+    A recipe's batch is ``per_device_train_batch_size x gradient_accumulation_steps`` records a step,
+    whatever ``sft.gpus`` is: changing the GPU count keeps it. Each GPU trains an equal share: the
+    micro-batch as written where the share allows (the accumulation divided over the GPUs), else the
+    largest micro-batch under it that divides the share (never a larger one: GPU memory is sized for it).
+    """
+
+    effective: int  # records an optimizer step holds
+    gpus: int
+    per_device_train_batch_size: int  # what each GPU trains at once
+    gradient_accumulation_steps: int  # micro-batches each GPU accumulates a step
+
+    def describe(self) -> str:
+        """``batch 8 records a step: 2 GPUs x 1 record x 4 micro-batches``."""
+        b, g = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        each = f"{b} record{'s' if b > 1 else ''} x {g} micro-batch{'es' if g > 1 else ''}"
+        if self.gpus <= 1:
+            return f"batch {self.effective} records a step: {each}"
+        return f"batch {self.effective} records a step: {self.gpus} GPUs x {each}"
+
+
 class SftConfig(_Strict):
     """LoRA SFT through LlamaFactory. Field names are LlamaFactory's."""
 
@@ -89,8 +112,11 @@ class SftConfig(_Strict):
     num_train_epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Overrides num_train_epochs when set")
     max_samples: int | None = Field(None, gt=0)
-    per_device_train_batch_size: int = Field(1, gt=0)
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    per_device_train_batch_size: int = Field(1, gt=0, description="Records a GPU trains at once (a micro-batch)")
+    gradient_accumulation_steps: int = Field(
+        1, gt=0, description="Micro-batches an optimizer step accumulates, over all GPUs: the batch is "
+        "per_device_train_batch_size x gradient_accumulation_steps records a step whatever sft.gpus is "
+        "(ktflow gives each GPU an equal share of it)")
     lr_scheduler_type: str = "cosine"
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     logging_steps: int = Field(1, gt=0)
@@ -132,6 +158,27 @@ class SftConfig(_Strict):
             )
         return value
 
+    def gpu_split(self) -> GpuSplit:
+        """Each GPU's share of the batch (see :class:`GpuSplit`); validation refused an uneven one."""
+        gpus = max(self.gpus, 1)
+        effective = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        share = effective // gpus
+        per_device = max(b for b in range(1, min(self.per_device_train_batch_size, share) + 1) if share % b == 0)
+        return GpuSplit(effective=effective, gpus=gpus, per_device_train_batch_size=per_device,
+                        gradient_accumulation_steps=share // per_device)
+
+    def _check_batch_splits_over_gpus(self) -> None:
+        b, g, gpus = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.gpus
+        if (b * g) % gpus == 0:
+            return
+        fit = next(n for n in range(g + 1, g * gpus + 1) if (b * n) % gpus == 0)
+        raise ValueError(
+            f"@gpus: {gpus} GPUs cannot share the batch of per_device_train_batch_size {b} x "
+            f"gradient_accumulation_steps {g} = {b * g} records a step evenly (each GPU trains an equal share, and "
+            f"the batch stays what the recipe says whatever the GPU count); set gradient_accumulation_steps to "
+            f"{fit} (or per_device_train_batch_size x gradient_accumulation_steps to any multiple of {gpus}), "
+            f"or sft.gpus to a divisor of {b * g}")
+
     @model_validator(mode="after")
     def _backend_rules(self) -> SftConfig:
         legacy = [k for k in ("kt_optimize_rule", "cpu_infer", "chunk_size") if getattr(self, k) is not None]
@@ -141,6 +188,8 @@ class SftConfig(_Strict):
             # parameter, a deployment) keeps the decision its author's file made.
             written = {"per_device_train_batch_size", "gradient_accumulation_steps"} & self.model_fields_set
             self.kt_shape_batches = self.backend == "auto" and not written
+        if self.gpus > 1:
+            self._check_batch_splits_over_gpus()
         if self.backend == "kt":
             if legacy:
                 raise ValueError(

@@ -21,7 +21,13 @@ TRAINER_LOG = "trainer_log.jsonl"
 LF_OUTPUT = "output"  # LlamaFactory's output_dir inside the run directory
 ADAPTER = "adapter"  # the published adapter inside the run directory
 # A checkpoint is complete (resumable with optimizer state) only with all of these.
-CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+CHECKPOINT_FILES = ("trainer_state.json", "scheduler.pt")
+# The optimizer's state, one of: optimizer.pt (one process), optimizer.bin (accelerate's FSDP with a full state
+# dict over several processes), optimizer_0/.metadata (FSDP's sharded state dict; torch.distributed.checkpoint
+# writes .metadata last); or KT's own (transformers-kt with FSDP over 2+ GPUs, seen on the 2-GPU host):
+# optimizer_rank_NNNNN.pt per rank, then KT_OPTIMIZER_INDEX naming them, published last.
+OPTIMIZER_STATES = ("optimizer.pt", "optimizer.bin", "optimizer_0/.metadata")
+KT_OPTIMIZER_INDEX = "kt_optimizer.index.json"
 
 # FSDP2 wraps one decoder layer per unit; the class name depends on the architecture.
 _DECODER_LAYERS = {
@@ -70,6 +76,7 @@ class SftResult(BaseModel):
     backend: str = ""  # the backend that trained it (``auto`` resolved)
     backend_reason: str | None = None  # why ``sft.backend: auto`` chose it
     batch_shape: str | None = None  # the KT micro-batch split trained (or a faster one it could have), and why
+    batch: str | None = None  # the batch a step held and its split over the GPUs (GpuSplit.describe)
     # A KT run's steady step, measured and as the shipped model predicts it (ktflow.planning.host_speed's
     # KtStepRecord as JSON): what the next plan on this host is calibrated by. None: not KT, or too short.
     kt_step: dict[str, Any] | None = None
@@ -184,6 +191,7 @@ def render_sft(
 def _train_config(recipe: Recipe, *, model_dir: Path, dataset_dir: Path, output_dir: Path) -> dict[str, Any]:
     """LlamaFactory's training keys every backend shares."""
     sft = recipe.sft
+    split = sft.gpu_split()
     cfg: dict[str, Any] = {
         "model_name_or_path": str(model_dir),
         "trust_remote_code": True,
@@ -207,8 +215,9 @@ def _train_config(recipe: Recipe, *, model_dir: Path, dataset_dir: Path, output_
         save_steps=sft.save_steps,
         plot_loss=True,
         report_to="none",
-        per_device_train_batch_size=sft.per_device_train_batch_size,
-        gradient_accumulation_steps=sft.gradient_accumulation_steps,
+        # the recipe's batch over all GPUs: each GPU's share (LlamaFactory multiplies by the GPU count)
+        per_device_train_batch_size=split.per_device_train_batch_size,
+        gradient_accumulation_steps=split.gradient_accumulation_steps,
         learning_rate=sft.learning_rate,
         num_train_epochs=sft.num_train_epochs,
         lr_scheduler_type=sft.lr_scheduler_type,

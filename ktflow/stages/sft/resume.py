@@ -16,7 +16,7 @@ from ktflow import ENGINE_VERSION
 from ktflow.errors import KtflowError
 from ktflow.formats.safetensors_io import read_header
 from ktflow.recipe import Recipe
-from ktflow.stages.sft.render import CHECKPOINT_FILES, TrainerProgress
+from ktflow.stages.sft.render import CHECKPOINT_FILES, KT_OPTIMIZER_INDEX, OPTIMIZER_STATES, TrainerProgress
 
 # --------------------------------------------------------------------------- run directory and resume
 
@@ -57,15 +57,19 @@ def last_complete_checkpoint(output_dir: Path) -> Path | None:
     (a kill during a save) are moved aside so LlamaFactory can't pick them up either."""
     candidates = sorted((p for p in output_dir.glob("checkpoint-*") if p.is_dir()), key=_checkpoint_step, reverse=True)
     for ckpt in candidates:
-        if _checkpoint_is_complete(ckpt):
+        if checkpoint_is_complete(ckpt):
             return ckpt
         aside = ckpt.with_name(f".incomplete-{ckpt.name}-{int(time.time())}")
         os.replace(ckpt, aside)
     return None
 
 
-def _checkpoint_is_complete(ckpt: Path) -> bool:
+def checkpoint_is_complete(ckpt: Path) -> bool:
+    """Whether the trainer finished writing ``ckpt``: what a resume needs is all there and readable (a kill
+    during a save leaves the directory without its trainer state, or with a truncated weights file)."""
     if not all((ckpt / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    if not (any((ckpt / name).is_file() for name in OPTIMIZER_STATES) or _kt_optimizer_complete(ckpt)):
         return False
     weights = [ckpt / n for n in ("adapter_model.safetensors", "model.safetensors") if (ckpt / n).is_file()]
     weights += sorted(ckpt.glob("model-*.safetensors"))
@@ -78,6 +82,16 @@ def _checkpoint_is_complete(ckpt: Path) -> bool:
     except (ValueError, OSError, KtflowError):
         return False
     return True
+
+
+def _kt_optimizer_complete(ckpt: Path) -> bool:
+    """KT's per-rank optimizer state: its index (written after every rank's file) names files all present."""
+    try:
+        index = json.loads((ckpt / KT_OPTIMIZER_INDEX).read_text())
+        files = index["rank_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(files) and all(isinstance(f, str) and (ckpt / f).is_file() for f in files)
 
 
 def _is_final_checkpoint(ckpt: Path) -> bool:

@@ -29,7 +29,7 @@ from ktflow.planning.sizing import (
     model_size,
 )
 from ktflow.planning.stage_plan import host_requirements
-from ktflow.recipe import Recipe
+from ktflow.recipe import GpuSplit, Recipe
 from ktflow.resources import DiskNeed, GpuNeed, RamNeed, Resources, ToolchainNeed
 from ktflow.runner import Job, StageSpec, find_published, run_stage
 from ktflow.stages.sft.auto import resolve_sft_recipe
@@ -302,6 +302,7 @@ def _manifest(job: _Job) -> StageManifest:
                "loss_curve": (job.output_dir / "training_loss.png").exists(),
                "resumed_from": str(job.resumed_from) if job.resumed_from else None,
                "backend_reason": job.request.backend_reason, "batch_shape": job.request.batch_shape,
+               "batch": recipe.sft.gpu_split().model_dump(),
                "kt_step": _kt_step_record(job, summary["records"])},
     )
 
@@ -332,7 +333,8 @@ def _result_of(job: _Job, manifest: StageManifest, *, cached: bool) -> SftResult
                      tokens_per_second=extra.get("tokens_per_second"),
                      loss_curve=curve if extra.get("loss_curve") else None, manifest_digest=manifest.digest(),
                      backend=str(manifest.settings.get("backend", "")), backend_reason=extra.get("backend_reason"),
-                     batch_shape=extra.get("batch_shape"), kt_step=extra.get("kt_step"))
+                     batch_shape=extra.get("batch_shape"), kt_step=extra.get("kt_step"),
+                     batch=GpuSplit.model_validate(extra["batch"]).describe() if extra.get("batch") else None)
 
 
 SFT: StageSpec[SftRequest, _Job, ModelSize, SftResult] = StageSpec(
