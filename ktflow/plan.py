@@ -291,6 +291,10 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
                  f"{sft.gpu_split().describe()}, "
                  f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
                  f"model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput; {calibration})")
+        if sft.gpus > 1:
+            basis += (f"; on {sft.gpus} GPUs predicted no faster than on one: KT's CPU experts stream every "
+                      "micro-batch of the step whatever the GPU count (2 x H200, tiny recipes: 0.61-0.65x one GPU's "
+                      "tokens/s, docs/benchmarks/multi-gpu); more GPUs add GPU memory, not speed")
     elif sft.backend == "hf" and sft.gpus > 0:
         step = hf_step_seconds(size, sft, costs, tokens_per_step=round(tokens * sft.gradient_accumulation_steps))
         load = costs.hf_load_s + costs.hf_load_s_per_gb * gb

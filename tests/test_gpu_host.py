@@ -18,7 +18,8 @@ after the bf16 call, ~350 s on a fresh one (it makes the clean bf16 run it compa
 ~100 s (the bigger-than-gpu code path at reduced size: streamed fixture, 4 KT RAWINT4 steps, convert).
 The bundle's python is the host's python3 with the bundle first on its path (ktflow needs its
 pydantic; pytest comes from the host). GPU_HOST_RESULTS=DIR checks the results of an earlier run
-instead (DIR/../big-reduced/results for the big selection).
+instead (DIR/../big-reduced/results for the big selection). GPUS=N runs and checks the same on N GPUs
+(run.sh's GPUS: `--set sft.gpus=N`, the recipe's batch kept; results in build/gpu-host/results/gpusN).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD = REPO / "build" / "gpu-host"
-RESULTS = Path(os.environ.get("GPU_HOST_RESULTS", BUILD / "results"))
+# GPUS=N (as gpu_host/run.sh): the same checks on N GPUs (`--set sft.gpus=N`), results in results/gpusN
+GPUS = int(os.environ.get("GPUS", "1"))
+RESULTS = Path(os.environ.get("GPU_HOST_RESULTS", BUILD / "results" / (f"gpus{GPUS}" if GPUS > 1 else "")))
 # Served loss vs KT's reported loss (mean of the last epoch's 12 logged steps). Why 0.03: the
 # training loss is averaged over an epoch while the weights still move (cosine LR, 15% -> 0 of
 # peak), KT's logged losses are BF16-rounded and computed with BF16 AMX experts on the CPU
@@ -53,14 +56,15 @@ def _has_amx() -> bool:
     return all(f in flags for f in ("amx_tile", "amx_bf16", "amx_int8"))
 
 
-def _has_cuda_gpu() -> bool:
+def _cuda_gpus() -> int:
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return False
+        return 0
     try:
-        return subprocess.run([exe, "-L"], capture_output=True, timeout=20).returncode == 0
+        done = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return 0
+    return sum(1 for line in done.stdout.splitlines() if line.startswith("GPU ")) if done.returncode == 0 else 0
 
 
 def _skip_reason() -> str | None:
@@ -68,8 +72,11 @@ def _skip_reason() -> str | None:
         return None if RESULTS.is_dir() else f"GPU_HOST_RESULTS={RESULTS} does not exist"
     if not _has_amx():
         return "needs a CPU with AMX (amx_tile, amx_bf16, amx_int8): KT SFT kernels for this host class"
-    if not _has_cuda_gpu():
+    found = _cuda_gpus()
+    if found == 0:
         return "needs a CUDA GPU (nvidia-smi -L): KT 0.7 SFT trains attention on the GPU"
+    if found < GPUS:
+        return f"GPUS={GPUS} asks for {GPUS} GPUs; nvidia-smi -L lists {found}"
     if not list((BUILD / "parts").glob("bundle.tar.gz.*")) and not (BUILD / "bundle" / "bin" / "python").exists():
         return "no KT training bundle: run gpu_host/build_bundle.py on a machine with network and copy build/gpu-host"
     if not (BUILD / "inputs" / "dsv3-bf16" / "config.json").exists():
@@ -90,7 +97,7 @@ GROUPS: dict[str, list[str]] = {
     "killresume": ["killresume-bf16", "collect"],
     "big-reduced": ["big-reduced"],
 }
-BIG_REDUCED = RESULTS.parent / "big-reduced" / "results"
+BIG_REDUCED = (RESULTS.parent if "GPU_HOST_RESULTS" in os.environ else BUILD) / "big-reduced" / "results"
 
 
 @pytest.fixture(scope="session")
