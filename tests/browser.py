@@ -71,6 +71,19 @@ class Browser:
         self.js("arguments[0].scrollIntoView({block: 'center'});", element)
         element.click()  # a real mouse click (WebDriver's), as a user's
 
+    def open_tab(self, tab: str, what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+        """Open the page's tab ``tab`` and wait until ``check()`` holds, clicking it again while it does not:
+        a click made while the run page still renders can be lost (it mounts its tabs again when the run's
+        data arrives; seen once: the Logs tab stayed open after the click, and the wait timed out)."""
+        def shown() -> Any:
+            value = check()
+            if not value:
+                self.click_text("li.p-tab", tab, timeout=5)
+                time.sleep(0.5)
+                value = check()
+            return value
+        return self.wait(what, shown, timeout)
+
     def images(self) -> list[dict]:
         """Every <img> on the page: whether it loaded and its natural size (0 for a broken image)."""
         return self.js("""return Array.from(document.images).map(i => ({

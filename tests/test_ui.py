@@ -204,8 +204,7 @@ def test_the_finished_run_page_shows_stages_loss_curve_evaluation_endpoint_and_h
         setup: Setup, first_run: FirstRun, browser: Browser) -> None:
     # The SFT stage's page shows its progress artifact (live while it runs; 100 % once done).
     browser.get(ui_url(setup, f"/runs/flow-run/{first_run.sft}"))
-    browser.click_text("li.p-tab", "Artifacts")
-    browser.wait("the sft-progress artifact", lambda: "sft-progress" in browser.text())
+    browser.open_tab("Artifacts", "the sft-progress artifact", lambda: "sft-progress" in browser.text())
     browser.screenshot("04-sft-progress")
 
     parent = first_run.parent
@@ -215,8 +214,7 @@ def test_the_finished_run_page_shows_stages_loss_curve_evaluation_endpoint_and_h
                  and "Finished in state" in text)
     time.sleep(3)  # the run graph (a canvas) draws after the data arrives
     browser.screenshot("05-run-page")
-    browser.click_text("li.p-tab", "Artifacts")
-    browser.wait("the run's report card", lambda: "pipeline-report" in browser.text())
+    browser.open_tab("Artifacts", "the run's report card", lambda: "pipeline-report" in browser.text())
     browser.screenshot("06-run-artifacts")
     browser.click_text(".artifact-card, .p-card, a, div", "pipeline-report")
     browser.wait("the report's stage table", lambda: any(t and t[0][:2] == ["stage", "outcome"] for t in browser.tables()))
