@@ -274,10 +274,26 @@ def _leftovers(marker_pids: set[int]) -> list[dict]:
     return left
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _load_recipe_with_key(recipe_path: Path, sets: list[str]) -> tuple[Any, str]:
+    """The recipe as ktflow's CLI loads it (from its project folder: its relative paths mean that folder's)
+    and the server's API key, put into the recipe's key variable for the servers and `ktflow` commands started."""
     from ktflow.cli import project_dir_of
     from ktflow.recipe import load_recipe
 
+    os.chdir(project_dir_of(recipe_path))
+    recipe = load_recipe(recipe_path, sets)
+    key = os.environ.get(recipe.serving.api_key_env) or secrets.token_urlsafe(24)
+    os.environ[recipe.serving.api_key_env] = key
+    return recipe, key
+
+
+def _ktflow_argv(recipe, recipe_path: Path, command: str, *argv: str, sets: list[str]) -> list[str]:
+    """``ktflow COMMAND RECIPE ARGV... --set ...`` in the recipe's serving toolchain."""
+    return [str(recipe.toolchains.serve.python.parent / "ktflow"), command, str(recipe_path), *argv,
+            *sum((["--set", s] for s in sets), [])]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     if args.tokens:
         args.tokens = Path(args.tokens).absolute()
     for name in ("out", "recipe", "model", "kt_weights", "adapter", "records"):
@@ -285,11 +301,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     recipe_path = args.recipe
-    os.chdir(project_dir_of(recipe_path))  # as ktflow's CLI does: the recipe's relative paths mean its project's
-    recipe = load_recipe(recipe_path, args.set or [])
-    key_env = recipe.serving.api_key_env
-    key = os.environ.get(key_env) or secrets.token_urlsafe(24)
-    os.environ[key_env] = key
+    recipe, key = _load_recipe_with_key(recipe_path, args.set or [])
     results: dict[str, Any] = {"recipe": str(args.recipe), "via": args.via, "overrides": args.set or [],
                                "model": str(args.model), "kt_weights": str(args.kt_weights),
                                "adapter": str(args.adapter), "gpu_used_mib_before": _gpu_used_mib()}
@@ -314,9 +326,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             from ktflow.stages.promotion import serving_dir
             from ktflow.stages.serve import read_endpoint
             record_dir = serving_dir(recipe)
-            argv = [str(recipe.toolchains.serve.python.parent / "ktflow"), "serve", str(recipe_path)]
-            for s in args.set or []:
-                argv += ["--set", s]
+            argv = _ktflow_argv(recipe, recipe_path, "serve", sets=args.set or [])
             log(f"$ {' '.join(argv)}")
             done = subprocess.run(argv, timeout=recipe.serving.ready_timeout_s + 300)
             endpoint = read_endpoint(record_dir)
@@ -355,8 +365,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 from ktflow.stages.serve import stop
                 results["stopped"] = stop(record_dir)
             else:
-                done = subprocess.run([str(recipe.toolchains.serve.python.parent / "ktflow"), "serve",
-                                       str(recipe_path), "--stop", *sum((["--set", s] for s in args.set or []), [])],
+                done = subprocess.run(_ktflow_argv(recipe, recipe_path, "serve", "--stop", sets=args.set or []),
                                       capture_output=True, text=True, timeout=120)
                 results["stopped"] = done.stdout.strip() or done.stderr.strip()[-500:]
         except Exception as exc:  # noqa: BLE001
@@ -437,10 +446,8 @@ def cmd_promotion(args: argparse.Namespace) -> int:
     4. `ktflow promote R 2`: the real server restarts with v2: answers, served loss (no expert LoRA).
     5. `ktflow rollback R`: v1 again, answers == A1.  6. `ktflow serve R --stop`; no process left.
     """
-    from ktflow.cli import project_dir_of
     from ktflow.cli.serving import _production_weights, _served_adapter
     from ktflow.demo import STYLE_MARKER
-    from ktflow.recipe import load_recipe
     from ktflow.stages.evaluate import temporary_server
     from ktflow.stages.promotion import judge_candidate, register_adapter, registry_of, serving_dir
     from ktflow.stages.serve import read_endpoint
@@ -457,16 +464,11 @@ def cmd_promotion(args: argparse.Namespace) -> int:
     for r in records:
         first.setdefault(r["messages"][0]["content"], r)
     eval_file.write_text("".join(json.dumps(first[q]) + "\n" for q in questions))
-    os.chdir(project_dir_of(recipe_path))
     sets = [*(args.set or []), f"evaluation.files=[{eval_file}]", "evaluation.format=openai", "evaluation.enabled=true",
             f"evaluation.style={{marker: '{STYLE_MARKER}'}}", "evaluation.gate_metric=style",
             f"evaluation.gate_min_gain={args.gate_min_gain}", "evaluation.allow_contamination=true",
             "evaluation.max_tokens=48", *([f"evaluation.candidate={args.candidate}"] if args.candidate != "auto" else [])]
-    recipe = load_recipe(recipe_path, sets)
-    key = os.environ.get(recipe.serving.api_key_env) or secrets.token_urlsafe(24)
-    os.environ[recipe.serving.api_key_env] = key
-    ktflow = str(recipe.toolchains.serve.python.parent / "ktflow")
-    set_args = sum((["--set", s] for s in sets), [])
+    recipe, key = _load_recipe_with_key(recipe_path, sets)
     served, name = recipe.serving.served_model_name, recipe.serving.adapter_name
     tuned = f"{served}:{name}"
     results: dict[str, Any] = {"recipe": str(recipe_path), "overrides": sets, "questions": questions,
@@ -483,8 +485,8 @@ def cmd_promotion(args: argparse.Namespace) -> int:
 
     def cli(command: str, *argv: str) -> subprocess.CompletedProcess:  # ktflow COMMAND RECIPE ARGV... --set ...
         t = time.perf_counter()
-        done = subprocess.run([ktflow, command, str(recipe_path), *argv, *set_args], capture_output=True, text=True,
-                              timeout=recipe.serving.ready_timeout_s + 300)
+        done = subprocess.run(_ktflow_argv(recipe, recipe_path, command, *argv, sets=sets), capture_output=True,
+                              text=True, timeout=recipe.serving.ready_timeout_s + 300)
         log(f"$ ktflow {command} {' '.join(argv)} -> {done.returncode} in {time.perf_counter() - t:.1f} s\n"
             f"{done.stdout[-1500:]}{done.stderr[-2500:]}")
         return done

@@ -203,7 +203,7 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
     sft = recipe.sft
     threads = kt_threads(sft, host.physical_cores)
     effective = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
-    share = effective // max(sft.gpus, 1)  # each GPU's records a step (SftConfig refuses an uneven split)
+    share = sft.gpu_split().share  # each GPU's records a step: every candidate micro-batch divides it
     records = host_records(recipe, host.hostname, threads)  # the splits share the host, format and threads
     written = _shape(recipe, size, host, threads, lengths, costs, records)
     candidates = []

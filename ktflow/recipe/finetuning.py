@@ -83,6 +83,11 @@ class GpuSplit(BaseModel):
     per_device_train_batch_size: int  # what each GPU trains at once
     gradient_accumulation_steps: int  # micro-batches each GPU accumulates a step
 
+    @property
+    def share(self) -> int:
+        """Records each GPU trains a step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
     def describe(self) -> str:
         """``batch 8 records a step: 2 GPUs x 1 record x 4 micro-batches``."""
         b, g = self.per_device_train_batch_size, self.gradient_accumulation_steps
