@@ -124,13 +124,42 @@ def test_misaligned_t_is_refused_before_any_layer(fixture_dir, tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
-def test_int4_source_is_refused_with_the_dequantize_hint(fixture_dir, tmp_path: Path) -> None:
+def test_fp8_source_is_refused_with_the_dequantize_hint(fixture_dir, tmp_path: Path) -> None:
     out = tmp_path / "out"
     with pytest.raises(InvalidInputError) as info:
-        quantize_int8(fixture_dir("kimi-k2.5"), out, threadpool_count=1, serve_python=SERVE_PYTHON)
+        quantize_int8(fixture_dir("deepseek-v3"), out, threadpool_count=1, serve_python=SERVE_PYTHON)
     message = str(info.value)
-    assert "kimi-k2.5-int4" in message and "ktflow dequantize" in message and "ktflow run" in message
+    assert "deepseek-v3-fp8" in message and "ktflow dequantize" in message and "ktflow run" in message
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_int4_expert_whose_scales_do_not_fit_its_weight_is_refused_before_any_work(fixture_dir,
+                                                                                      tmp_path: Path) -> None:
+    """The INT4 source's headers are checked against the decode rule before kt-kernel is started."""
+    import shutil
+
+    from ktflow.formats.safetensors_io import read_header
+
+    src = tmp_path / "kimi"
+    shutil.copytree(fixture_dir("kimi-k2.5"), src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    name = next(n for n in index if n.endswith("mlp.experts.1.up_proj.weight_scale"))
+    shard = src / index[name]
+    header = read_header(shard)
+    raw = shard.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    doc = json.loads(raw[8:8 + size])
+    rows, groups = doc[name]["shape"]
+    doc[name]["shape"] = [rows * 2, groups // 2]  # the same bytes, another shape
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (size - len(text))
+    assert len(text) == size and header.tensors[name].nbytes
+    shard.write_bytes(raw[:8] + text + raw[8 + size:])
+    out = tmp_path / "out"
+    with pytest.raises(Exception) as info:
+        quantize_int8(src, out, threadpool_count=1, serve_python=SERVE_PYTHON)
+    assert name in str(info.value) and "expected BF16" in str(info.value)
+    assert not out.exists() and not staging_dir_for(out).exists()
 
 
 def test_missing_toolchain_is_a_host_requirement(fixture_dir, tmp_path: Path) -> None:
@@ -265,6 +294,30 @@ def test_quantized_weights_run_in_kt_kernel_within_5_percent(t: int, fixture_dir
 
 
 @needs_serve_env
+@pytest.mark.int8_kernels
+@pytest.mark.slow
+def test_a_kimi_int4_source_quantizes_to_the_same_int8_as_its_bf16_decode(fixture_dir, reference_bf16_dir,
+                                                                          tmp_path: Path) -> None:
+    """Kimi INT4 in, no BF16 copy on disk: the expert shards equal, byte for byte, those quantize-int8 makes from
+    compressed-tensors' own BF16 decode of the same checkpoint (ktflow's in-memory decode is bit-exact and
+    kt-kernel's quantization deterministic), and kt-kernel's AMXINT8 forward of them passes verification."""
+    src = fixture_dir("kimi-k2.5")
+    via_int4 = quantize_int8(src, tmp_path / "from-int4", threadpool_count=1, serve_python=SERVE_PYTHON)
+    via_bf16 = quantize_int8(reference_bf16_dir("kimi-k2.5"), tmp_path / "from-bf16", threadpool_count=1,
+                             serve_python=SERVE_PYTHON)
+    assert via_int4.layers == via_bf16.layers >= 2
+    a, b = file_bytes(via_int4.path), file_bytes(via_bf16.path)
+    shards = sorted(n for n in a if n.startswith("model-"))
+    assert shards == sorted(n for n in b if n.startswith("model-"))
+    for shard in shards:  # the expert layers and the non-expert shard (the same tensors, renamed alike)
+        assert a[shard] == b[shard], shard
+    assert a["model.safetensors.index.json"] == b["model.safetensors.index.json"]
+    for figures in via_int4.verification.values():
+        assert 0 < figures["mean_rel_err"] < 0.05 and figures["cosine"] > 0.999
+    manifest = read_manifest(via_int4.path)
+    assert manifest is not None and manifest.extra["source_path"] == str(src)
+
+
 @pytest.mark.int8_kernels
 @pytest.mark.slow
 def test_verification_above_the_bound_publishes_nothing_and_a_rerun_trusts_only_whole_shards(fixture_dir,

@@ -1,11 +1,11 @@
-"""BF16 routed experts -> kt-kernel AMXINT8 expert shards, run inside the serving toolchain.
+"""BF16 (or Kimi INT4) routed experts -> kt-kernel AMXINT8 expert shards, run inside the serving toolchain.
 
 Started by :func:`ktflow.stages.quantize_int8.quantize_int8` as::
 
     <serve python> -m ktflow._drivers.kt_int8 --plan STAGING/.ktflow-int8-plan.json
 
 with ``PYTHONPATH`` naming a directory that holds only the ``ktflow`` package. It imports the
-standard library, torch, kt_kernel and ktflow's import-light ``safetensors_io``/``errors``, never
+standard library, torch, kt_kernel and ktflow's import-light ``safetensors_io``/``quant_decode``, never
 pydantic or Prefect. The plan (JSON, written by the orchestrator) names every source tensor, so
 this program makes no decisions about the checkpoint: it quantizes, writes, verifies.
 
@@ -13,7 +13,9 @@ What it does, in order (the same sequence as kt-kernel's own ``scripts/convert_c
 with resumability and bounded memory added):
 
 1. Per MoE layer: the BF16 experts are read straight into three preallocated ``[E, I, H]`` /
-   ``[E, H, I]`` buffers (no per-expert tensors, no ``torch.stack`` copy), handed to kt-kernel's
+   ``[E, H, I]`` buffers (no per-expert tensors, no ``torch.stack`` copy); a Kimi INT4 source's packed
+   experts are decoded into them instead, by ktflow's bit-exact decode rule (no BF16 copy on disk). Then
+   they are handed to kt-kernel's
    ``KTMoEWrapper(method="AMXINT8", cpu_save=True, threadpool_count=T)`` whose C++ side quantizes
    (per output row, scale = amax/127), packs and writes ``_layer_L/_numa_N/INT8_*.kt`` files into
    a scratch directory (``/dev/shm`` by default). Those files are streamed one at a time into the
@@ -50,9 +52,11 @@ import os
 import resource
 import shutil
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -214,25 +218,40 @@ def _clean_stale_scratch(root: Path) -> None:
 
 
 class _Source:
-    """The BF16 checkpoint: headers on demand, tensors read straight into caller buffers."""
+    """The source checkpoint: headers on demand, experts read (BF16) or decoded (Kimi INT4) into caller buffers.
 
-    def __init__(self, path: Path) -> None:
+    A plan entry ``[file, name]`` is a BF16 expert weight, read as it is; ``[file, packed, scale_file, scale]``
+    is a compressed-tensors ``pack-quantized`` INT4 weight (Kimi-K2/K2.5), decoded to BF16 bit for bit by
+    ktflow's own decode rule (:mod:`ktflow.formats.quant_decode`, the dequantize stage's): the INT8 made from
+    it equals the INT8 made from the dequantize stage's BF16 output, without that copy on disk.
+    """
+
+    def __init__(self, path: Path, threads: int = 1) -> None:
         self.path = path
+        self.threads = max(1, threads)
         self._headers: dict[str, SafetensorsHeader] = {}
+        self._lock = threading.Lock()
 
     def header(self, file: str) -> SafetensorsHeader:
-        if file not in self._headers:
-            self._headers[file] = read_header(self.path / file)
-        return self._headers[file]
+        with self._lock:
+            if file not in self._headers:
+                self._headers[file] = read_header(self.path / file)
+            return self._headers[file]
 
-    def read_into(self, file: str, name: str, out: torch.Tensor) -> None:
+    def _info(self, file: str, name: str) -> tuple[SafetensorsHeader, Any]:
         header = self.header(file)
         info = header.tensors.get(name)
         if info is None:
             raise DriverError(f"{header.path}: no tensor '{name}'")
-        if info.dtype != "BF16" or tuple(info.shape) != tuple(out.shape):
+        return header, info
+
+    def read_into(self, file: str, name: str, out: torch.Tensor, *, dtype: str = "BF16",
+                  shape: tuple[int, ...] | None = None) -> None:
+        """The tensor's bytes into ``out``; it must be ``dtype`` of ``shape`` (default: ``out``'s shape)."""
+        header, info = self._info(file, name)
+        if info.dtype != dtype or tuple(info.shape) != (shape or tuple(out.shape)):
             raise DriverError(f"{header.path}: tensor '{name}' is {info.dtype} {list(info.shape)}; "
-                              f"expected BF16 {list(out.shape)}")
+                              f"expected {dtype} {list(shape or out.shape)}")
         view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
         fd = os.open(header.path, os.O_RDONLY)
         try:
@@ -245,10 +264,50 @@ class _Source:
         finally:
             os.close(fd)
 
+    def decode_int4_into(self, file: str, packed: str, scale_file: str, scale: str, out: torch.Tensor) -> None:
+        """``out`` [rows, cols] BF16 <- the INT4 weight ``packed`` (I32 [rows, cols/8]) with its BF16 ``scale``."""
+        from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quantized
+
+        rows, cols = out.shape
+        packed_buf = _thread_buffer("packed", rows * cols // 2)
+        scale_buf = _thread_buffer("scale", rows * (cols // INT4_GROUP_SIZE) * 2)
+        self.read_into(file, packed, packed_buf, dtype="I32", shape=(rows, cols // 8))
+        self.read_into(scale_file, scale, scale_buf, shape=(rows, cols // INT4_GROUP_SIZE))
+        scales = scale_buf.view(torch.bfloat16).view(rows, cols // INT4_GROUP_SIZE)
+        if not bool(torch.isfinite(scales).all()):  # NaN/inf weights would quantize to garbage silently
+            raise DriverError(f"{self.header(scale_file).path}: tensor '{scale}' has NaN or infinite scales: "
+                              "the shard is corrupt; re-download it")
+        out.copy_(decode_int4_pack_quantized(packed_buf.view(torch.int32).view(rows, cols // 8), scales, (rows, cols),
+                                             reuse_buffers=True))
+
+    def _load_one(self, item: list[str], out: torch.Tensor) -> None:
+        if len(item) == 2:
+            self.read_into(item[0], item[1], out)
+        else:
+            self.decode_int4_into(item[0], item[1], item[2], item[3], out)
+
     def load_layer(self, entry: dict[str, Any], bufs: dict[str, torch.Tensor]) -> None:
-        for proj in PROJS:
-            for e, (file, name) in enumerate(entry[proj]):
-                self.read_into(file, name, bufs[proj][e])
+        jobs = [(item, bufs[proj][e]) for proj in PROJS for e, item in enumerate(entry[proj])]
+        if self.threads == 1 or all(len(item) == 2 for item, _ in jobs):
+            for item, out in jobs:  # BF16: plain reads, the disk's pace either way
+                self._load_one(item, out)
+            return
+        # INT4: decoding is CPU work (torch releases the GIL in its kernels); spread the experts over threads
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            for future in [pool.submit(self._load_one, item, out) for item, out in jobs]:
+                future.result()
+
+
+_thread_local = threading.local()
+
+
+def _thread_buffer(name: str, nbytes: int) -> torch.Tensor:
+    """This thread's uint8 scratch ``name`` of ``nbytes`` (reused: a fresh tensor per expert costs its page faults)."""
+    buf = getattr(_thread_local, name, None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        setattr(_thread_local, name, buf)
+    return buf[:nbytes]
 
 
 def _header_matches(path: Path, plan: Plan) -> bool:
@@ -410,7 +469,9 @@ def run(plan: dict[str, Any], staging: Path) -> int:
     # float64 reference) would fight them and run ~100x slower. One torch thread does this job.
     torch.set_num_threads(1)
     _emit_start(plan)
-    source = _Source(Path(plan["source"]))
+    # INT4 sources are decoded by a pool of threads (at most 16: the decode streams memory, and more threads
+    # only queue on the memory bus)
+    source = _Source(Path(plan["source"]), threads=min(16, int(plan.get("threads") or 1)))
     experts, hidden, inter, T = plan["experts"], plan["hidden"], plan["moe_intermediate"], plan["threadpool_count"]
     bufs = {"gate": torch.empty(experts, inter, hidden, dtype=torch.bfloat16),
             "up": torch.empty(experts, inter, hidden, dtype=torch.bfloat16),

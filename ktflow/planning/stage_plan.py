@@ -20,6 +20,7 @@ from ktflow.recipe import (
     needs_bf16_weights,
     needs_int8_weights,
 )
+from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import INT8_KERNELS, STAGE_ORDER, HostRequirement, StageName, check_requirement
 
 __all__ = [
@@ -137,7 +138,7 @@ def _bf16_readers(recipe: Recipe) -> str:
         readers.append("sft")
     if recipe.serving.backend == "llamafactory" or recipe.serving.kt_method in ("BF16", "AMXBF16"):
         readers.append("serve")
-    if needs_int8_weights(recipe):
+    if needs_int8_weights(recipe) and recipe.source.format not in INT4_FORMATS:  # Kimi INT4 is quantized as it is
         readers.append("quantize-int8")
     return ", ".join(readers)
 

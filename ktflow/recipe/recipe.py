@@ -149,4 +149,6 @@ def needs_bf16_weights(recipe: Recipe) -> bool:
     )
     serving = recipe.serving
     serve_bf16 = serving.backend == "llamafactory" or serving.kt_method in ("BF16", "AMXBF16")
-    return sft_bf16 or serve_bf16 or needs_int8_weights(recipe)
+    # quantize-int8 decodes Kimi INT4 experts itself (no BF16 copy); other quantized sources go through BF16
+    int8_from_bf16 = needs_int8_weights(recipe) and recipe.source.format not in INT4_FORMATS
+    return sft_bf16 or serve_bf16 or int8_from_bf16

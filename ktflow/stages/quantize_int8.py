@@ -1,4 +1,4 @@
-"""quantize-int8: BF16 routed experts -> kt-kernel AMXINT8 CPU expert weights for sglang-kt.
+"""quantize-int8: BF16 (or Kimi INT4) routed experts -> kt-kernel AMXINT8 CPU expert weights for sglang-kt.
 
 The output is what sglang-kt reads with ``--kt-method AMXINT8 --kt-weight-path OUT
 --kt-threadpool-count T``, laid out as kt-kernel's ``scripts/convert_cpu_weights.py`` (0.7.x, the
@@ -14,6 +14,11 @@ per-layer-shard version) writes it:
 - ``model.safetensors.index.json`` with ``metadata.total_size`` 0 (as the reference writes it);
 - ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``
   copied when present (the reference's list), plus ktflow's ``manifest.json``.
+
+The source is a BF16 checkpoint (the dequantize stage's output, or a BF16 release) or a Kimi-K2/K2.5
+INT4 checkpoint as released: its packed experts are decoded layer by layer in memory by the same
+bit-exact rule the dequantize stage uses, so the INT8 is the same either way and a Kimi model served
+as AMXINT8 needs no BF16 copy on disk (2 TB for Kimi-K2.5).
 
 The heavy work runs in the serving toolchain (kt-kernel pins torch 2.9.1) through the driver
 :mod:`ktflow._drivers.kt_int8`, which calls kt-kernel's own ``KTMoEWrapper(method="AMXINT8",
@@ -83,7 +88,9 @@ VERIFY_SEED = 0
 _JOURNAL = ".ktflow-int8.json"  # the source identity and settings a staging dir was started from
 _LOG = ".ktflow-int8.log"
 _HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk check
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
+                     r"(weight|weight_packed|weight_scale|weight_shape)$")
+INT4_SOURCE_FORMATS = ("kimi-k2.5-int4", "kimi-k2-int4")
 _DRIVER_BASE_BYTES = 1 * GiB  # python + torch (CUDA build) + kt-kernel imported: ~0.6 GB, with margin
 
 
@@ -169,12 +176,18 @@ def _non_expert_name(name: str) -> str:
 
 
 class _Layout:
-    """What to quantize and copy, from the index and the shard headers."""
+    """What to quantize and copy, from the index and the shard headers.
 
-    def __init__(self, src: Path, num_layers: int, experts: int, hidden: int, inter: int) -> None:
+    Each expert projection is ``[file, name]`` (a BF16 weight) or, for a Kimi INT4 source,
+    ``[file, weight_packed, scale_file, weight_scale]`` (the driver decodes it to BF16).
+    """
+
+    def __init__(self, src: Path, num_layers: int, experts: int, hidden: int, inter: int, fmt: str = "bf16") -> None:
         weight_map, _ = read_weight_map(src)
         self.headers: dict[str, SafetensorsHeader] = {f: read_header(src / f) for f in sorted(set(weight_map.values()))}
-        found: dict[int, dict[tuple[str, int], tuple[str, str]]] = {}
+        int4 = fmt in INT4_SOURCE_FORMATS
+        found: dict[int, dict[tuple[str, int], list[str]]] = {}
+        parts: dict[tuple[int, str, int], dict[str, tuple[str, str, Any]]] = {}  # INT4: packed/scale/shape
         self.non_expert: list[tuple[str, str, str]] = []  # (output name, file, source name)
         self.non_expert_bytes = 0
         seen_out: dict[str, str] = {}
@@ -183,26 +196,31 @@ class _Layout:
                 key = name.replace("language_model.", "") if "language_model" in name else name
                 if ".mlp.experts." in key:
                     m = _EXPERT.match(key)
-                    if m is None:
+                    if m is None or (m.group(4) == "weight") == int4:
                         raise CheckpointError(f"{src / file}: tensor '{name}'",
                                               "is a routed-expert tensor in a layout quantize-int8 does not handle "
                                               "(it expects DeepSeek-V3-style model.layers.L.mlp.experts.E."
-                                              "{gate,up,down}_proj.weight).",
-                                              "use a DeepSeek-V3-architecture BF16 checkpoint")
+                                              "{gate,up,down}_proj.weight in BF16, or Kimi's INT4 "
+                                              "weight_packed / weight_scale / weight_shape).",
+                                              "use a DeepSeek-V3-architecture BF16 or Kimi INT4 checkpoint")
                     layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
                     if layer >= num_layers:
                         continue  # an MTP layer's experts: convert_cpu_weights.py leaves them out too
-                    rows, cols = (hidden, inter) if proj == "down" else (inter, hidden)
-                    if info.dtype != "BF16" or tuple(info.shape) != (rows, cols):
-                        raise CheckpointError(f"{src / file}: tensor '{name}'",
-                                              f"is {info.dtype} {list(info.shape)}; expected BF16 [{rows}, {cols}] "
-                                              "(hidden_size / moe_intermediate_size of config.json).",
-                                              "quantize-int8 takes a BF16 checkpoint; run the dequantize stage first")
                     if expert >= experts:
                         raise CheckpointError(f"{src / file}: tensor '{name}'",
                                               f"names expert {expert}, but config.json has n_routed_experts {experts}.",
                                               "use the config that came with these shards")
-                    found.setdefault(layer, {})[(proj, expert)] = (file, name)
+                    rows, cols = (hidden, inter) if proj == "down" else (inter, hidden)
+                    if int4:
+                        parts.setdefault((layer, proj, expert), {})[m.group(4)] = (file, name, info)
+                        continue
+                    if info.dtype != "BF16" or tuple(info.shape) != (rows, cols):
+                        raise CheckpointError(f"{src / file}: tensor '{name}'",
+                                              f"is {info.dtype} {list(info.shape)}; expected BF16 [{rows}, {cols}] "
+                                              "(hidden_size / moe_intermediate_size of config.json).",
+                                              "quantize-int8 takes a BF16 or Kimi INT4 checkpoint; run the dequantize "
+                                              "stage first for other formats")
+                    found.setdefault(layer, {})[(proj, expert)] = [file, name]
                 else:
                     out = _non_expert_name(name)
                     if out in seen_out:
@@ -211,6 +229,8 @@ class _Layout:
                     seen_out[out] = name
                     self.non_expert.append((out, file, name))
                     self.non_expert_bytes += info.nbytes
+        for (layer, proj, expert), got in parts.items():
+            found.setdefault(layer, {})[(proj, expert)] = _int4_entry(src, got, proj, expert, hidden, inter)
         if not found:
             raise CheckpointError(str(src), "has no routed-expert tensors (model.layers.L.mlp.experts.E.*_proj.weight);"
                                             " there is nothing to quantize.", "point at a MoE checkpoint")
@@ -228,6 +248,35 @@ class _Layout:
                 entry[proj] = [list(tensors[(proj, e)]) for e in range(experts)]
             self.layers.append(entry)
         self.non_expert_shard = f"model-{total:05d}-of-{total:05d}.safetensors"
+
+
+def _int4_entry(src: Path, got: dict[str, tuple[str, str, Any]], proj: str, expert: int, hidden: int,
+                inter: int) -> list[str]:
+    """``[file, weight_packed, scale_file, weight_scale]`` of one INT4 expert weight, its headers checked
+    against the decode rule (I32 [rows, cols/8] words, BF16 [rows, cols/32] scales, a weight_shape beside)."""
+    from ktflow.formats.quant_decode import INT4_GROUP_SIZE
+
+    rows, cols = (hidden, inter) if proj == "down" else (inter, hidden)
+    missing = [k for k in ("weight_packed", "weight_scale", "weight_shape") if k not in got]
+    if missing:
+        file, name, _ = next(iter(got.values()))
+        raise CheckpointError(f"{src / file}: tensor '{name}'", f"has no {' / '.join(missing)} beside it "
+                              f"(expert {expert}, {proj}_proj).", "the checkpoint is incomplete; re-download it")
+    expect = {"weight_packed": ("I32", (rows, cols // 8)),
+              "weight_scale": ("BF16", (rows, (cols + INT4_GROUP_SIZE - 1) // INT4_GROUP_SIZE))}
+    for kind, (dtype, shape) in expect.items():
+        file, name, info = got[kind]
+        if info.dtype != dtype or tuple(info.shape) != shape:
+            raise CheckpointError(f"{src / file}: tensor '{name}'",
+                                  f"is {info.dtype} {list(info.shape)}; expected {dtype} {list(shape)} for a "
+                                  f"[{rows}, {cols}] weight (hidden_size / moe_intermediate_size of config.json).",
+                                  "the checkpoint is corrupt or its config is not its own; re-download it")
+    if cols % INT4_GROUP_SIZE:
+        file, name, _ = got["weight_packed"]
+        raise CheckpointError(f"{src / file}: tensor '{name}'", f"has {cols} columns, not whole groups of "
+                              f"{INT4_GROUP_SIZE}: quantize-int8 decodes only whole INT4 groups.",
+                              "dequantize this checkpoint to BF16 first (`ktflow dequantize`), then quantize that")
+    return [got["weight_packed"][0], got["weight_packed"][1], got["weight_scale"][0], got["weight_scale"][1]]
 
 
 def _sample_layers(layers: list[int], k: int) -> list[int]:
@@ -338,11 +387,11 @@ def _check_arguments(request: QuantizeInt8Request) -> None:
 def _inspect_source(bf16_dir: Path, out_dir: Path, t: int) -> CheckpointInfo:
     """The BF16 checkpoint's description, refusing what kt-kernel's INT8 path cannot take."""
     info = inspect_checkpoint(bf16_dir)
-    if info.format != "bf16":
+    if info.format != "bf16" and info.format not in INT4_SOURCE_FORMATS:
         raise InvalidInputError(
             str(bf16_dir),
-            f"is a {info.format} checkpoint; quantize-int8 takes BF16 experts (kt-kernel's converter has no INT4 "
-            "input, and its FP8 input needs a CUDA GPU).",
+            f"is a {info.format} checkpoint; quantize-int8 takes BF16 experts, or Kimi INT4 experts it decodes "
+            "itself (kt-kernel's FP8 input needs a CUDA GPU).",
             f"convert it to BF16 first with the dequantize stage (`ktflow dequantize {bf16_dir} BF16_DIR`), then "
             "quantize BF16_DIR; or run the whole pipeline with `ktflow run`, which chains them.",
         )
@@ -375,7 +424,8 @@ def _prepare(request: QuantizeInt8Request) -> _Job:
     config = json.loads((bf16_dir / CONFIG_NAME).read_text(encoding="utf-8"))
     text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     top_k = max(1, min(int(text_cfg.get("num_experts_per_tok", 2)), info.num_routed_experts))
-    layout = _Layout(bf16_dir, info.num_layers, info.num_routed_experts, info.hidden_size, info.moe_intermediate_size)
+    layout = _Layout(bf16_dir, info.num_layers, info.num_routed_experts, info.hidden_size, info.moe_intermediate_size,
+                     info.format)
     serve_python = Path(request.serve_python).absolute()  # not resolved: a venv's python is a symlink to the base
     versions = _serving_toolchain(serve_python)
     identity = checkpoint_identity(bf16_dir)
@@ -544,7 +594,8 @@ def quantize_int8(
     path (the module's docstring says how) against ``max_rel_err``.
 
     Args:
-        bf16_dir: a BF16 DeepSeek-V3-architecture checkpoint (the dequantize stage's output).
+        bf16_dir: a BF16 DeepSeek-V3-architecture checkpoint (the dequantize stage's output), or a Kimi-K2/K2.5
+            INT4 checkpoint (its experts are decoded in memory, one layer at a time).
         out_dir: the output; it appears only when complete.
         threadpool_count: T, kt-kernel's NUMA thread pools; serve with the same ``--kt-threadpool-count``.
         serve_python: the serving toolchain's python (kt-kernel 0.7.2, torch 2.9.1).
@@ -561,7 +612,7 @@ def quantize_int8(
             the default fits the available RAM (all layers at once for small models).
 
     Raises:
-        InvalidInputError: not a BF16 checkpoint (run dequantize first), misaligned T, bad arguments.
+        InvalidInputError: neither BF16 nor Kimi INT4 (run dequantize first), misaligned T, bad arguments.
         CheckpointError: the checkpoint is malformed or not a DeepSeek-V3-style MoE.
         HostRequirementError: CPU without kt-kernel's INT8 kernels, no serving toolchain, too little RAM, scratch or disk,
             or OUT_DIR's directory is not writable (all before any work).
