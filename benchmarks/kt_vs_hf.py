@@ -201,6 +201,9 @@ class Sampler:
         self.log_start = existing.stat().st_size if existing is not None and existing.is_file() else 0
         self.peak_rss = 0
         self.gpu_baseline = self.gpu_peak = _gpu_used_mib()
+        # every GPU's memory.used (a run on several GPUs): baseline and peak per GPU, GPU 0 as above
+        self.gpu_baselines = _gpus_used_mib() if self.gpu_baseline is not None else []
+        self.gpu_peaks = list(self.gpu_baselines)
         self.child_span: list[float] = []
         self.stamps: list[tuple[float, dict[str, Any]]] = []
         self._stop = threading.Event()
@@ -209,7 +212,7 @@ class Sampler:
         self._smi = None
         if self.gpu_baseline is not None:
             self._smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                          "--loop-ms=100", "-i", "0"], stdout=subprocess.PIPE, text=True)
+                                          "--loop-ms=100"], stdout=subprocess.PIPE, text=True)
             self._threads.append(threading.Thread(target=self._gpu, daemon=True))
         for t in self._threads:
             t.start()
@@ -238,11 +241,18 @@ class Sampler:
 
     def _gpu(self) -> None:
         assert self._smi is not None and self._smi.stdout is not None
+        n = max(1, len(self.gpu_peaks))
+        i = 0  # each tick prints one line per GPU, in index order
         for line in self._smi.stdout:
             try:
-                self.gpu_peak = max(self.gpu_peak or 0, int(line.strip()))
+                used = int(line.strip())
             except ValueError:
                 continue
+            if i % n == 0:
+                self.gpu_peak = max(self.gpu_peak or 0, used)
+            if self.gpu_peaks:
+                self.gpu_peaks[i % n] = max(self.gpu_peaks[i % n], used)
+            i += 1
 
     def _log(self) -> None:
         offset = self.log_start
@@ -276,6 +286,13 @@ def _gpu_used_mib() -> int | None:
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                          capture_output=True, text=True)
     return int(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def _gpus_used_mib() -> list[int]:
+    """memory.used of every GPU, in index order."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    return [int(v) for v in out.stdout.split()] if out.returncode == 0 else []
 
 
 def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Path | Callable[[], Path | None],
@@ -333,6 +350,7 @@ def measure(argv: list[str], *, env: dict[str, str], log: Path, trainer_log: Pat
         "steps_logged": [rec["current_steps"] for _, rec in steps],
         "tokens_logged": [rec.get("total_tokens") for _, rec in steps],
         "peak_gpu_mib": None if sampler.gpu_peak is None else sampler.gpu_peak - (sampler.gpu_baseline or 0),
+        "peak_gpu_mib_per_gpu": [peak - base for peak, base in zip(sampler.gpu_peaks, sampler.gpu_baselines)] or None,
         "peak_host_rss_gib": round(sampler.peak_rss / 2**30, 2),
         "log": str(log.relative_to(REPO)) if log.is_relative_to(REPO) else str(log),
     }

@@ -17,6 +17,21 @@ for each), in this order, on one warm machine (or the fixture again first):
     $PY gpu_host/big.py resume    # the same command again: resumes from that checkpoint (resume-big)
     $PY gpu_host/big.py report    # the figures of every phase in one table
 
+Several GPUs and thread counts (issue "KT SFT on several GPUs"): ``sft --gpus N`` trains with
+``--set sft.gpus=N`` (the recipe's batch kept: each GPU an equal share), ``--threads T`` with
+``sft.kt_config.kt_num_threads=T``; each such run has a store and a results name of its own
+(``sft-gpus2``, ``sft-t32``, ``sft-gpus4-t64``), and ``ktflow plan``'s prediction for it, made before it
+runs, is saved beside what was measured (``predicted``).
+
+Served (issue "Serve for real", item 4), after ``sft``, on the same machine:
+
+    $PY gpu_host/big.py serve-prep   # what `ktflow serve` makes before a start, for RAWINT4 and AMXINT8:
+                                     # the converted adapter, quantize-int8 of the INT4 checkpoint itself (no BF16
+                                     # copy), kt-kernel's .kt layout of it, the model view sglang-kt loads (timed)
+    gpu_host/run.sh serve-big        # per method: `ktflow serve gpu_host/big-sglang-rawint4.yaml` (serve_check.py
+                                     # run --via cli --load-json), benchmarks/serve_load.py at concurrency 1, 4, 16
+                                     # against it, the host's read bandwidth measured before, `ktflow serve --stop`
+
 ``--size reduced`` runs the same code on the same structure at reduced widths (3 layers, 16 experts,
 4 steps) in a minute or two (run.sh big-reduced; tests/test_gpu_host.py checks it). Outputs land in
 build/gpu-host/big[-reduced]/: model, data, stores, and results/*.json (with every earlier run of a
@@ -54,6 +69,8 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from kt_vs_hf import Sampler, _trainer_log_under, measure  # noqa: E402  (psutil only)
 
 RECIPES = {"kt": REPO / "gpu_host" / "big-kt-rawint4.yaml", "hf": REPO / "gpu_host" / "big-hf.yaml"}
+SERVE_RECIPE = REPO / "gpu_host" / "big-sglang-rawint4.yaml"  # the KT recipe + a serving section (same run key)
+SERVE_METHODS = ("RAWINT4", "AMXINT8")
 # --size reduced: the bigger-than-gpu structure (MLA with a q LoRA, top-8, layer 0 dense, one shared
 # expert) at widths kt-kernel's RAWINT4 kernels take, made in seconds; 4 steps, a checkpoint after each.
 REDUCED_DIMS = {"layers": 3, "experts": 16, "experts_per_tok": 8, "hidden": 1024, "moe_intermediate": 512,
@@ -62,7 +79,13 @@ REDUCED_DIMS = {"layers": 3, "experts": 16, "experts_per_tok": 8, "hidden": 1024
 REDUCED_SETS = ["sft.max_steps=4", "sft.save_steps=1"]
 PHASE_LIMIT_S = 540  # a device call is 600 s; what a phase may take before its children are killed
 HF_ATTEMPT_LIMIT_S = 420  # the plain LlamaFactory attempt, inside the phase's 540 s
-RSS_GUARD = 110 << 30  # the host has 125 GiB: stop an attempt before the kernel's OOM killer picks a victim
+def _rss_guard() -> int:
+    """Stop an attempt before the kernel's OOM killer picks a victim: 88 % of the host's RAM (110 GiB of the
+    one-GPU host's 125 GiB, 440 of the 4-GPU host's 503)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.88)
+
+
+RSS_GUARD = _rss_guard()
 # What the plain attempt's log says about how far it got, in the order it gets there.
 HF_MARKERS = (
     ("model load", r"Loading (checkpoint shards|weights)|loading weights file|from_pretrained"),
@@ -86,6 +109,14 @@ class Work:
         self.python = Path(args.python).absolute()  # the training toolchain the recipes name
         self.ktflow_python = Path(args.ktflow_python or args.python).absolute()
         self.extra_sets: list[str] = list(args.set or ())
+        self.gpus: int = args.gpus
+        self.threads: int | None = args.threads
+        self.serve_python = Path(args.serve_python).absolute()
+        self.methods: list[str] = args.methods.split(",") if args.methods else list(SERVE_METHODS)
+        # the sft phase's results name and store: "sft" for the recipe as written, else its GPUs and threads
+        suffix = (f"-gpus{args.gpus}" if args.gpus != 1 else "") + (f"-t{args.threads}" if args.threads else "")
+        self.sft_name = "sft" + suffix
+        self.sft_store = self.root / ("store" + suffix)
         # What the sft, kill and resume phases train: the KT recipe; "hf" rehearses this harness on a CPU box
         # (with --set sft.gpus=0), where KT cannot run.
         self.recipe = RECIPES[args.trainer]
@@ -93,7 +124,9 @@ class Work:
     def sets(self, store: Path) -> list[str]:
         sets = [f"source.local_path={self.model}", f"dataset.files=[{self.data}]", f"store.root={store}",
                 f"toolchains.train.python={self.python}", f"toolchains.serve.python={self.python}"]
-        return sets + (REDUCED_SETS if self.size == "reduced" else []) + self.extra_sets
+        run = ([f"sft.gpus={self.gpus}"] if self.gpus != 1 else []) + (
+            [f"sft.kt_config.kt_num_threads={self.threads}"] if self.threads else [])
+        return sets + (REDUCED_SETS if self.size == "reduced" else []) + run + self.extra_sets
 
     def ktflow(self, *args: str, store: Path | None = None) -> list[str]:
         """A ``ktflow`` command line; with ``store``, this run's ``--set`` overrides (recipe commands)."""
@@ -389,14 +422,32 @@ def measured_sft(work: Work, name: str, store: Path, *, resumed: bool = False) -
     return result
 
 
+def predicted(work: Work, store: Path) -> dict[str, Any]:
+    """``ktflow plan``'s SFT line for this run (its GPUs, threads, records), made before it runs."""
+    done = subprocess.run(work.ktflow("plan", str(work.recipe), "--json", store=store), env=work.env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    try:
+        plan = json.loads(done.stdout)
+    except ValueError:
+        return {"error": f"ktflow plan exited {done.returncode}: {done.stderr[-1500:]}"}
+    sft = next((s for s in plan.get("stages", []) if s["stage"] == "sft"), {})
+    return {"step_s": sft.get("step_seconds"), "seconds": sft.get("seconds"), "gpus": sft.get("gpus"),
+            "gpu_gib_per_gpu": round(sft.get("gpu_bytes", 0) / 2**30, 2),
+            "ram_gib": round(sft.get("ram_bytes", 0) / 2**30, 2), "time_basis": sft.get("time_basis"),
+            "reason": sft.get("reason"), "fits": sft.get("fits"), "problems": sft.get("problems")}
+
+
 def phase_sft(work: Work) -> int:
-    store = work.root / "store"
-    if _published(store) is not None and (work.results / "sft.json").is_file():
-        print(f"sft: already trained and measured ({work.results / 'sft.json'}); delete {store} to measure again")
+    store, name = work.sft_store, work.sft_name
+    if _published(store) is not None and (work.results / f"{name}.json").is_file():
+        print(f"{name}: already trained and measured ({work.results / f'{name}.json'}); delete {store} to measure again")
         return 0
-    result = measured_sft(work, "sft", store)
-    result["model"] = model_facts(work.model)
-    work.save("sft", result)
+    work.results.mkdir(parents=True, exist_ok=True)
+    forecast = predicted(work, store)
+    print(f"{name}: predicted {json.dumps(forecast)}", flush=True)
+    result = measured_sft(work, name, store)
+    result.update(model=model_facts(work.model), predicted=forecast, gpus=work.gpus, threads=work.threads)
+    work.save(name, result)
     return 0 if result["outcome"] == "trained" else 1
 
 
@@ -567,6 +618,111 @@ def phase_resume(work: Work) -> int:
     return 0 if result["outcome"] == "trained" and result["resumed_from"] else 1
 
 
+def serve_sets(work: Work, method: str) -> list[str]:
+    """The serving recipe's overrides: the sft phase's (same run key), the serving toolchain, the method."""
+    return [*work.sets(work.root / "store"), f"toolchains.serve.python={work.serve_python}",
+            f"serving.kt_method={method}"]
+
+
+def phase_serve_prep(work: Work) -> int:
+    """What ``ktflow serve`` makes before starting sglang-kt, made here (timed, RSS sampled) so the serve calls
+    start the server at once: the converted adapter; for AMXINT8, quantize-int8 of the INT4 checkpoint itself
+    and kt-kernel's ``.kt`` layout of it (the adapter carries an expert LoRA); the model view sglang-kt loads.
+    Runs in the training toolchain (kt-kernel 0.7.2 there quantizes as the serving one does)."""
+    doc: dict[str, Any] = {"free_disk_gb_before": free_disk_gb(work.root)}
+    for method in work.methods:
+        sets = [*work.sets(work.root / "store"), f"toolchains.serve.python={work.python}", f"serving.kt_method={method}"]
+        argv = [str(work.ktflow_python), __file__, "_serve_prep", json.dumps(sets)]
+        made = run_watched(argv, env=work.env(), log=work.results / f"serve-prep-{method}.log", limit_s=PHASE_LIMIT_S)
+        doc[method] = {k: made[k] for k in ("rc", "outcome", "wall_s", "peak_host_rss_gib", "error_line")}
+        doc[method]["made"] = next((json.loads(line[len("PREPARED "):]) for line in reversed(made["log_tail"])
+                                    if line.startswith("PREPARED ")), None)
+        doc[method]["free_disk_gb_after"] = free_disk_gb(work.root)
+        if made["rc"] != 0:
+            doc[method]["log_tail"] = made["log_tail"]
+            work.save("serve-prep", doc)
+            return 1
+    work.save("serve-prep", doc)
+    return 0
+
+
+def child_serve_prep(sets_json: str) -> int:
+    """In the toolchain: ``ktflow serve``'s own preparation (ktflow.cli.serving.cmd_serve up to the launch)."""
+    from ktflow.cli import project_dir_of
+    from ktflow.recipe import load_recipe
+    from ktflow.stages.convert_lora import convert_lora
+    from ktflow.stages.promotion import serving_dir
+    from ktflow.stages.serve.sglang_inputs import sglang_inputs
+    from ktflow.stages.sft import locate_adapter
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
+    from ktflow.store import read_manifest
+
+    os.chdir(project_dir_of(SERVE_RECIPE))
+    recipe = load_recipe(SERVE_RECIPE, json.loads(sets_json))
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    source = ensure_source(recipe)
+    trained_on = ensure_training_weights(recipe, source=source)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source,
+                                                   bf16_dir=trained_on if trained_on != source else None, log=print)
+    timings["weights_s"] = round(time.perf_counter() - started, 1)
+    started = time.perf_counter()
+    trained = locate_adapter(recipe, trained_on)
+    digest = read_manifest(trained).digest()  # type: ignore[union-attr]
+    adapter = convert_lora(trained, recipe.store.layout.adapter(digest[:16]), base_dir=trained_on,
+                           serve_python=recipe.toolchains.serve.python).path
+    timings["convert_s"] = round(time.perf_counter() - started, 1)
+    started = time.perf_counter()
+    view, kt_dir = sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weights, adapter_dir=adapter,
+                                 record_dir=serving_dir(recipe), log=print)
+    timings["sglang_inputs_s"] = round(time.perf_counter() - started, 1)
+    sizes = {str(p): round(sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file() and not f.is_symlink())
+                           / 1e9, 2) for p in {kt_weights, kt_dir, view}}
+    print("PREPARED " + json.dumps({"method": recipe.serving.kt_method, "model_dir": str(model_dir),
+                                    "kt_weights": str(kt_weights), "kt_weight_path": str(kt_dir), "model_view": str(view),
+                                    "adapter": str(adapter), "gb_on_disk": sizes, **timings}), flush=True)
+    return 0
+
+
+def phase_serve(work: Work) -> int:
+    """Per method: ``ktflow serve`` of the serving recipe as a user starts it (gpu_host/serve_check.py run --via
+    cli: ready, health gate, smoke test, chat and completions through the openai client), then
+    benchmarks/serve_load.py against it (TTFT, prefill and decode tokens/s at concurrency 1, 4 and 16, GPU memory,
+    the server's RSS, decode against its bandwidth floor), then ``ktflow serve --stop``. Run in the serving
+    toolchain with run.sh's serving environment (run.sh serve-big)."""
+    status = 0
+    for method in work.methods:
+        out = work.results / f"serve-{method}"
+        shutil.rmtree(out, ignore_errors=True)
+        argv = [str(work.serve_python), str(REPO / "gpu_host" / "serve_check.py"), "run", "--via", "cli",
+                "--recipe", str(SERVE_RECIPE), "--model", str(work.model), "--kt-weights", str(work.model),
+                "--adapter", str(work.root / "converted"), "--records", str(work.data), "--out", str(out),
+                "--n-records", "2", "--load-json", str(work.results / f"serve-load-{method}.json")]
+        for item in serve_sets(work, method):
+            argv += ["--set", item]
+        ran = run_watched(argv, env=work.env(), log=work.results / f"serve-{method}.log", limit_s=PHASE_LIMIT_S)
+        checked = out / "results.json"
+        doc = {k: ran[k] for k in ("rc", "outcome", "wall_s", "error_line")}
+        if checked.is_file():
+            got = json.loads(checked.read_text())
+            doc.update({k: got.get(k) for k in ("ready_s", "gpu_used_mib_before", "gpu_used_mib_ready",
+                                                 "gpu_used_mib_after", "stop_s", "leftover_processes", "error",
+                                                 "read_bandwidth", "load", "served_model_dir")})
+        load = work.results / f"serve-load-{method}.json"
+        if load.is_file():
+            bench = json.loads(load.read_text())
+            doc["levels"] = [{k: lv.get(k) for k in (
+                "concurrency", "requests", "errors", "wall_s", "ttft_s", "prefill_tokens_per_s_median",
+                "decode_tokens_per_s_median", "output_tokens_per_s", "peak_gpu_mem_used_mib", "peak_server_rss_bytes")}
+                for lv in bench.get("levels", [])]
+            doc["floor"], doc["decode_vs_floor"] = bench.get("floor"), bench.get("decode_vs_floor")
+        if ran["rc"] != 0:
+            doc["log_tail"] = ran["log_tail"]
+            status = 1
+        work.save(f"serve-{method}", doc)
+    return status
+
+
 REPORT_KEYS = {
     "fixture": ("parameters", "bf16_gb", "on_disk_gb", "gpu_total_mib", "bf16_over_gpu", "hf_sft_gpu_estimate_gib"),
     "sft": ("outcome", "wall_s", "prelaunch_s", "load_s", "steady_step_s", "steady_step_no_save_s",
@@ -615,7 +771,7 @@ def child_data(folder: str) -> int:
 
 PHASES: dict[str, Callable[[Work], int]] = {
     "fixture": phase_fixture, "sft": phase_sft, "hf": phase_hf, "convert": phase_convert, "kill": phase_kill,
-    "resume": phase_resume, "report": phase_report,
+    "resume": phase_resume, "report": phase_report, "serve-prep": phase_serve_prep, "serve": phase_serve,
 }
 
 
@@ -626,7 +782,7 @@ def default_python() -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("phase", choices=(*PHASES, "_reduced_fixture", "_data"))
+    parser.add_argument("phase", choices=(*PHASES, "_reduced_fixture", "_data", "_serve_prep"))
     parser.add_argument("args", nargs="*")
     parser.add_argument("--size", choices=("full", "reduced"), default="full")
     parser.add_argument("--python", default=str(default_python()), help="the training toolchain's python (recipes)")
@@ -634,11 +790,18 @@ def main() -> int:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a further recipe override")
     parser.add_argument("--trainer", choices=("kt", "hf"), default="kt",
                         help="the recipe of the sft, kill and resume phases (hf: a CPU rehearsal of this harness)")
+    parser.add_argument("--gpus", type=int, default=1, help="sft: train on N GPUs (sft.gpus=N, the batch kept)")
+    parser.add_argument("--threads", type=int, default=None, help="sft: KT CPU threads (kt_config.kt_num_threads)")
+    parser.add_argument("--serve-python", default=str(BUILD / "serve" / "bin" / "python"),
+                        help="the serving toolchain's python (serve phases)")
+    parser.add_argument("--methods", default=None, help=f"serve phases: comma-separated (default {','.join(SERVE_METHODS)})")
     args = parser.parse_args()
     if args.phase == "_reduced_fixture":
         return child_reduced_fixture(args.args[0])
     if args.phase == "_data":
         return child_data(args.args[0])
+    if args.phase == "_serve_prep":
+        return child_serve_prep(args.args[0])
     return PHASES[args.phase](Work(args))
 
 

@@ -6,6 +6,10 @@
 #                                bigger than the GPU (gpu_host/big.py; one device call each, in this order):
 #                                       fixture-big sft-big hf-big convert-big kill-big resume-big report-big
 #                                       big-reduced (the same code at reduced size: fixture, 4 KT steps, convert)
+#                                       sft-big takes GPUS=N and THREADS=T (a store and results name of their own)
+#                                       serve-prep-big serve-big (after sft-big; METHODS=RAWINT4,AMXINT8 by default):
+#                                       what `ktflow serve` prepares, then each method served and load-benchmarked
+#                                       pack-big (build/gpu-host/big/results into $RESULTS_OUT/big-results.tar.gz)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
 #                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
@@ -281,7 +285,9 @@ for s in "${steps[@]}"; do
     setup) step_setup ;;
     # before the NAME patterns below: convert-big is not step_convert's "big"
     fixture-big) big fixture || status=1 ;;
-    sft-big) big sft || status=1 ;;
+    sft-big) big sft --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} || status=1 ;;
+    serve-prep-big) big serve-prep ${METHODS:+--methods "$METHODS"} || status=1 ;;
+    serve-big) serve_env; big serve --serve-python "$SERVE_PY" ${METHODS:+--methods "$METHODS"} || status=1 ;;
     hf-big) big hf || status=1 ;;
     convert-big) big convert || status=1 ;;
     kill-big) big kill || status=1 ;;
@@ -299,6 +305,7 @@ for s in "${steps[@]}"; do
     convert-*) step_convert "${s#convert-}" || status=1 ;;
     losscheck-*) step_losscheck "${s#losscheck-}" || status=1 ;;
     collect) step_collect ;;
+    pack-big) tar czf "${RESULTS_OUT:-$RES}/big-results.tar.gz" -C "$B/big" results && ls -la "${RESULTS_OUT:-$RES}/big-results.tar.gz" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -20,7 +20,9 @@
         are tried too and recorded: sglang-kt 0.7.2 refuses them on a server whose KT expert LoRA is loaded
         (HTTP 400, "statically paired with adapter"), so base/no-expert figures need servers of their own.
         Then stop it (``ktflow serve --stop`` or the stage's stop()), check no process is left and the GPU
-        memory is back. DIR gets results.json and server.log.tail.
+        memory is back. DIR gets results.json and server.log.tail. With ``--load-json``: the host's read
+        bandwidth before the server starts, and benchmarks/serve_load.py against it once ready (the
+        bigger-than-GPU model's serving benchmark, gpu_host/big.py serve).
 
 Runs in the serving toolchain's python (build/gpu-host/serve/bin/python). Nothing here is specific to the
 tiny fixture: the recipe, the weights, the adapter and the records are arguments.
@@ -312,6 +314,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     def write() -> None:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
 
+    if args.load_json:  # the decode floor's bandwidth, measured before the server (whose kt-kernel threads may spin)
+        results["read_bandwidth"] = _read_bandwidth()
     record_dir = out_dir / "endpoint"
     started = time.perf_counter()
     server_log: Path | None = None
@@ -352,6 +356,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         results["queries"] = _queries(recipe, endpoint.url, key, served_dir if served_dir.is_dir() else args.model,
                                       _records(Path(args.records), args.n_records), log,
                                       tokens=Path(args.tokens).absolute() if args.tokens else None)
+        if args.load_json:
+            results["load"] = _load_benchmark(args, recipe, endpoint, key,
+                                              served_dir if served_dir.is_dir() else args.model,
+                                              results["read_bandwidth"]["read_gb_s"])
+            write()
         status = 0
     except BaseException as exc:  # noqa: BLE001 - recorded, then the server is stopped
         results["error"] = f"{type(exc).__name__}: {exc}"
@@ -384,6 +393,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     if results["leftover_processes"]:
         status = status or 3
     return status
+
+
+# --------------------------------------------------------------------------- load (benchmarks/serve_load.py)
+
+
+def _serve_load() -> Any:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import serve_load
+
+    return serve_load
+
+
+def _read_bandwidth() -> dict[str, Any]:
+    """The host's read bandwidth (serve_load's measurement: every physical core, 4 GiB, best of 5)."""
+    import psutil
+
+    threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    rates = _serve_load().read_bandwidth_samples(4.0, threads, 5)
+    found = {"read_gb_s": max(rates), "samples_gb_s": rates, "threads": threads, "gib": 4.0}
+    print(f"[serve] host read bandwidth {found['read_gb_s']:.1f} GB/s ({threads} threads), before the server",
+          flush=True)
+    return found
+
+
+def _load_benchmark(args: argparse.Namespace, recipe: Any, endpoint: Any, key: str, model_dir: Path,
+                    read_gb_s: float) -> dict[str, Any]:
+    """benchmarks/serve_load.py against the running endpoint (concurrency levels, TTFT, prefill, decode, GPU
+    memory, the server tree's RSS, decode against its floor); its JSON goes to ``--load-json``."""
+    argv = ["--base-url", endpoint.url, "--model", endpoint.adapter_model_name or endpoint.served_model_name,
+            "--api-key", key, "--server-pid", str(endpoint.pid), "--model-dir", str(model_dir),
+            "--kt-method", recipe.serving.kt_method, "--label", recipe.serving.kt_method,
+            "--read-gb-s", str(read_gb_s), "--json", str(Path(args.load_json).absolute()),
+            *(args.load_args.split() if args.load_args else [])]
+    started = time.perf_counter()
+    rc = _serve_load().main(argv)
+    doc = json.loads(Path(args.load_json).read_text())
+    return {"rc": rc, "seconds": round(time.perf_counter() - started, 1), "json": str(args.load_json),
+            "decode_vs_floor": doc.get("decode_vs_floor")}
 
 
 # --------------------------------------------------------------------------- promotion
@@ -594,6 +641,8 @@ def main() -> int:
     r.add_argument("--n-records", type=int, default=8)
     r.add_argument("--tokens", help="gpu_host/loss_check.py tokens output: also the served loss over those tokens")
     r.add_argument("--set", action="append", help="recipe override KEY=VALUE (as ktflow's --set)")
+    r.add_argument("--load-json", help="also run benchmarks/serve_load.py against the server; its JSON here")
+    r.add_argument("--load-args", help="more serve_load.py arguments, space-separated (e.g. '--max-tokens 64')")
     pr = sub.add_parser("promotion", help=cmd_promotion.__doc__.splitlines()[0])
     pr.add_argument("--recipe", required=True)
     pr.add_argument("--records", required=True, help="the training records (chat); the first distinct questions are asked")

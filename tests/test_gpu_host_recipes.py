@@ -100,6 +100,7 @@ def test_big_harness_rehearsed_on_the_cpu_at_reduced_size(tmp_path: Path, monkey
     assert fixture["parameters"] > 60e6 and fixture["data_records"] == 48
     sft = phase("sft", "--trainer", "hf")
     assert sft["outcome"] == "trained" and sft["steps"] == 4 and sft["prelaunch_s"] > 0 and sft["post_s"] >= 0
+    assert "error" not in sft["predicted"] and sft["predicted"]["ram_gib"] > 0, sft["predicted"]  # ktflow plan, before
     assert not list((tmp_path / "big-reduced/store").glob("runs/*/output/checkpoint-*"))  # pruned after collecting
     assert (tmp_path / "big-reduced/results/run-sft/trainer_log.jsonl").is_file()
     kill = phase("kill", "--trainer", "hf")
@@ -114,3 +115,34 @@ def test_big_harness_rehearsed_on_the_cpu_at_reduced_size(tmp_path: Path, monkey
     assert plain["train_yaml"]["model_name_or_path"] == str(tmp_path / "big-reduced/model")  # the INT4 source itself
     # What transformers (5.x here) makes of the INT4 experts is read from the log, whatever it is.
     assert {"model load", "training started"} <= set(plain["markers_s"])
+
+
+def test_big_runs_on_several_gpus_and_thread_counts_are_named_apart_and_keep_the_batch(tmp_path: Path) -> None:
+    """``big.py sft --gpus N --threads T``: its own store and results name, the recipe's batch split over the GPUs,
+    and the serving recipe's overrides keep the trained run's (so `ktflow serve` finds its adapter)."""
+    import argparse
+
+    import big
+
+    from ktflow.recipe import load_recipe
+    from ktflow.stages.sft.resume import run_key
+
+    def work(*argv: str) -> big.Work:
+        parser = argparse.Namespace(size="full", python=sys.executable, ktflow_python=None, set=None, trainer="kt",
+                                    gpus=1, threads=None, serve_python=sys.executable, methods=None)
+        for flag, value in zip(argv[::2], argv[1::2]):
+            setattr(parser, flag.lstrip("-"), int(value))
+        return big.Work(parser)
+
+    one, four = work(), work("--gpus", "4", "--threads", "32")
+    assert (one.sft_name, one.sft_store.name) == ("sft", "store")
+    assert (four.sft_name, four.sft_store.name) == ("sft-gpus4-t32", "store-gpus4-t32")
+    recipe = load_recipe(big.RECIPES["kt"], four.sets(four.sft_store))
+    assert recipe.sft.gpus == 4 and recipe.sft.kt_config.kt_num_threads == 32
+    split = recipe.sft.gpu_split()
+    assert split.per_device_train_batch_size * split.gradient_accumulation_steps * 4 == 4  # the recipe's batch 4
+    served = load_recipe(big.SERVE_RECIPE, big.serve_sets(one, "AMXINT8"))
+    trained = load_recipe(big.RECIPES["kt"], one.sets(one.root / "store"))
+    assert served.serving.kt_method == "AMXINT8" and served.toolchains.serve.python == Path(sys.executable)
+    assert run_key(served, base_digest="b", data_digest="d") == run_key(trained, base_digest="b", data_digest="d")
+    assert served.name == trained.name and served.store.root == trained.store.root

@@ -168,6 +168,23 @@ def test_missing_toolchain_is_a_host_requirement(fixture_dir, tmp_path: Path) ->
     assert not (tmp_path / "out").exists()
 
 
+def test_scratch_is_dev_shm_only_where_a_layer_fits_there(tmp_path: Path) -> None:
+    """A container's small /dev/shm (Docker: 64 MB) sends kt-kernel's per-layer scratch beside the output,
+    instead of refusing the model; a scratch_dir given is always used."""
+    import shutil
+
+    from ktflow.stages.quantize_int8 import QuantizeInt8Request, _scratch
+
+    request = QuantizeInt8Request(bf16_dir=tmp_path / "src", out_dir=tmp_path / "out" / "int8", threadpool_count=1,
+                                  serve_python=tmp_path / "python")
+    too_big = 1 << 60
+    assert _scratch(request, too_big)[0] == tmp_path / "out"
+    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 1 << 20:
+        assert _scratch(request, 1 << 10) == (Path("/dev/shm"), Path("/dev/shm"), True)
+    given = QuantizeInt8Request(**{**request.__dict__, "scratch_dir": tmp_path / "scratch"})
+    assert _scratch(given, too_big)[0] == tmp_path / "scratch"
+
+
 def test_too_little_ram_or_scratch_is_refused(fixture_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ktflow.host.hardware as hardware
     import ktflow.stages.quantize_int8 as stage

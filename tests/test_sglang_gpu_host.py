@@ -64,22 +64,28 @@ def test_new_backend_flags_are_owned_and_unset_by_default() -> None:
 
 
 @pytest.mark.slow
-def test_serve_recipe_argv_parses_with_sglang_kt(sglang_kt, fixture_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("recipe_name", "sets", "kt_method"), [
+    ("tiny-sglang-bf16.yaml", [], "AMXBF16"), ("tiny-sglang-rawint4.yaml", [], "RAWINT4"),
+    ("big-sglang-rawint4.yaml", [], "RAWINT4"), ("big-sglang-rawint4.yaml", ["serving.kt_method=AMXINT8"], "AMXINT8")])
+def test_serve_recipe_argv_parses_with_sglang_kt(recipe_name: str, sets: list[str], kt_method: str, sglang_kt,
+                                                 fixture_dir, tmp_path: Path) -> None:
     from test_sglang_launch import fake_host, parse_with_sglang
 
-    r = load_recipe(SERVE_RECIPE)
+    r = load_recipe(GPU_HOST / recipe_name, sets)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     model = fixture_dir("bf16")
     launch = render_sglang_launch(r, model_dir=model, kt_weight_dir=model, adapter_dir=adapter,
-                                  serve_python=Path(sys.executable), host=fake_host(cores=16, gpus=1, numa=1))
+                                  serve_python=Path(sys.executable), host=fake_host(cores=16, gpus=1, numa=1),
+                                  check_files=False)
     [result] = parse_with_sglang([launch.launch_args])["results"]
     assert result["ok"], result
     ns = result["ns"]
     assert (ns["attention_backend"], ns["sampling_backend"], ns["grammar_backend"]) == ("triton", "pytorch", "none")
-    assert ns["disable_cuda_graph"] is True and ns["lora_backend"] == "triton" and ns["kt_method"] == "AMXBF16"
+    assert ns["disable_cuda_graph"] is True and ns["lora_backend"] == "triton" and ns["kt_method"] == kt_method
+    assert ns["max_running_requests"] == r.serving.max_running_requests
 
 
 @pytest.fixture(scope="module")

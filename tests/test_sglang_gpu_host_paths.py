@@ -51,13 +51,16 @@ def _adapter(path: Path, *, expert_lora: bool = False) -> Path:
     return path
 
 
-def test_rawint4_serve_recipe_is_the_trained_recipe_plus_serving() -> None:
-    served, trained = (yaml.safe_load(p.read_text()) for p in (SERVE_RECIPE, TRAIN_RECIPE))
+@pytest.mark.parametrize(("serve_recipe", "train_recipe"), [
+    (SERVE_RECIPE, TRAIN_RECIPE), (GPU_HOST / "big-sglang-rawint4.yaml", GPU_HOST / "big-kt-rawint4.yaml")])
+def test_rawint4_serve_recipe_is_the_trained_recipe_plus_serving(serve_recipe: Path, train_recipe: Path) -> None:
+    served, trained = (yaml.safe_load(p.read_text()) for p in (serve_recipe, train_recipe))
     serving = served.pop("serving")
     assert serving["backend"] == "sglang" and serving["kt_method"] == "RAWINT4"
     assert trained.pop("serving")["backend"] == "llamafactory"
     assert served.pop("toolchains")["train"] == trained.pop("toolchains")["train"]
     assert served == trained
+    load_recipe(serve_recipe, ["serving.kt_method=AMXINT8"])  # the other path the load benchmark serves
 
 
 def test_the_language_model_of_a_kimi_stand_in_is_what_sglang_kt_is_given(fixture_dir, tmp_path: Path) -> None:

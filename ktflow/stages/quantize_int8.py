@@ -331,7 +331,7 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     """
     t = request.threadpool_count
     bf16_layer, int8_layer = _layer_bytes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t)
-    _, shm, on_tmpfs = _scratch(request)
+    _, shm, on_tmpfs = _scratch(request, int8_layer)
     ram_need = bf16_layer + int8_layer * (2 if on_tmpfs else 1)
     out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
                  + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
@@ -347,11 +347,15 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     )
 
 
-def _scratch(request: QuantizeInt8Request) -> tuple[Path, Path, bool]:
-    """Where kt-kernel's per-layer scratch goes, its nearest existing directory, and whether it is RAM."""
+def _scratch(request: QuantizeInt8Request, layer_bytes: int = 0) -> tuple[Path, Path, bool]:
+    """Where kt-kernel's per-layer scratch goes, its nearest existing directory, and whether it is RAM.
+
+    By default ``/dev/shm`` where it holds one layer's INT8 (``layer_bytes``) with margin, else beside the
+    output: a container's small ``/dev/shm`` (64 MB by default in Docker) must not refuse a big model.
+    """
     root = Path(request.scratch_dir).absolute() if request.scratch_dir is not None else Path("/dev/shm")
-    if request.scratch_dir is None and not root.is_dir():
-        root = Path(request.out_dir).absolute().parent  # no tmpfs: kt-kernel's scratch files go beside the output
+    if request.scratch_dir is None and (not root.is_dir() or shutil.disk_usage(root).free < layer_bytes * 1.1):
+        root = Path(request.out_dir).absolute().parent  # no roomy tmpfs: kt-kernel's scratch goes beside the output
     shm = existing_ancestor(root)
     return root, shm, shm == Path("/dev/shm") or Path("/dev/shm") in shm.parents  # tmpfs pages are RAM
 
@@ -466,10 +470,10 @@ def _driver_plan(job: _Job) -> dict[str, Any]:
     request, info, layout, host = job.request, job.info, job.layout, job.host
     assert host is not None  # the preflight probed it (the stage needs the INT8 kernels)
     t = request.threadpool_count
-    scratch_root, _, on_tmpfs = _scratch(request)
+    bf16_layer, int8_layer = _layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t)
+    scratch_root, _, on_tmpfs = _scratch(request, int8_layer)
     layers_per_process = request.layers_per_process
     if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
-        bf16_layer, int8_layer = _layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t)
         room = host.ram_available_bytes * 0.8 - (bf16_layer + int8_layer * (2 if on_tmpfs else 1)) - _DRIVER_BASE_BYTES
         layers_per_process = max(1, int(room // max(int8_layer, 1)))
     return {
