@@ -7,6 +7,7 @@ Command (on the GPU host, the server already up; the serving venv has openai, ps
         --model-dir MODEL_DIR --kt-method RAWINT4 --server-pid PID --label RAWINT4 --json serve-load.json
     # options: [--concurrency 1,4,16] [--requests-per-level N] [--max-tokens 64] [--warmup 1] [--timeout-s 300]
     #          [--prompts FILE.jsonl | --num-prompts 32 --seed 0] [--api-key KEY] [--allow-prefix-cache]
+    #          [--context-length N (with --model-dir: leave out prompts that do not fit)] [--stop-at-eos]
     #          [--no-bandwidth | --bandwidth-gib 4 --bandwidth-threads N --bandwidth-repeats 5]
 
 What it does:
@@ -37,7 +38,11 @@ What it does:
 4. ``--warmup`` requests, one at a time, not counted. Then, per concurrency level, in order:
    ``--requests-per-level`` requests (default max(2 x concurrency, 4)), ``concurrency`` of them in flight at
    once (a thread per slot, one shared ``openai`` client, no client retries), each a streaming chat completion
-   (temperature 0, ``max_tokens``, ``stream_options.include_usage``). Every level starts at prompt 0, so the
+   (temperature 0, ``max_tokens``, ``stream_options.include_usage``, and SGLang's ``ignore_eos`` unless
+   ``--stop-at-eos``: every request decodes ``max_tokens`` tokens, as serving benchmarks do, whatever the model
+   would answer). With ``--context-length`` the prompts that would not fit the server's context with
+   ``max_tokens`` to generate (counted with ``--model-dir``'s tokenizer and its chat template) are left out first.
+   Every level starts at prompt 0, so the
    levels send the same prompts. Unless ``--allow-prefix-cache``, each request's first message starts with a
    tag unique to this run, level and request, so SGLang's radix (prefix) cache cannot serve a prefill measured
    here from an earlier request.
@@ -158,6 +163,28 @@ def load_prompts(path: Path) -> list[list[dict[str, Any]]]:
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+TAG_TOKENS = 24  # what the per-request tag adds to a prompt, at most
+
+
+def fit_to_context(prompts: list[list[dict[str, Any]]], model_dir: Path, context_length: int,
+                   max_tokens: int) -> tuple[list[list[dict[str, Any]]], list[int]]:
+    """The prompts whose chat-templated tokens (the model's own tokenizer) plus the tag and ``max_tokens`` fit
+    ``context_length`` (a server refuses the rest), and each kept prompt's token count."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+    kept, lengths = [], []
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        n = len(ids)
+        if n + TAG_TOKENS + max_tokens <= context_length:
+            kept.append(messages)
+            lengths.append(n)
+    return kept, lengths
 
 
 def tagged(messages: list[dict[str, Any]], tag: str | None) -> list[dict[str, Any]]:
@@ -314,8 +341,11 @@ class Sampler:
 
 
 def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int, timeout_s: float,
-                t0: float) -> dict[str, Any]:
-    """One streaming chat completion; times relative to ``t0`` (``time.perf_counter``)."""
+                t0: float, ignore_eos: bool = False) -> dict[str, Any]:
+    """One streaming chat completion; times relative to ``t0`` (``time.perf_counter``).
+
+    ``ignore_eos``: SGLang's sampling parameter, so every request decodes exactly ``max_tokens`` (a tuned
+    model that answers in a few tokens would otherwise leave the decode rate resting on a handful of them)."""
     row: dict[str, Any] = {"t_send_s": time.perf_counter() - t0, "t_first_s": None, "t_end_s": None, "ttft_s": None,
                            "prompt_tokens": None, "completion_tokens": None, "usage_source": None,
                            "content_chunks": 0, "finish_reason": None, "error": None}
@@ -324,7 +354,8 @@ def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tok
     try:
         stream = client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, timeout=timeout_s)
+            stream_options={"include_usage": True}, timeout=timeout_s,
+            **({"extra_body": {"ignore_eos": True}} if ignore_eos else {}))
         with stream:
             for chunk in stream:
                 now = time.perf_counter()
@@ -395,7 +426,7 @@ def summarize_level(rows: list[dict[str, Any]], concurrency: int, wall_s: float)
 
 def run_level(client: Any, model: str, prompts: Sequence[list[dict[str, Any]]], concurrency: int, max_tokens: int,
               *, requests: int | None = None, timeout_s: float = 600.0, server_pid: int | None = None,
-              tag: str | None = None) -> dict[str, Any]:
+              tag: str | None = None, ignore_eos: bool = False) -> dict[str, Any]:
     """Send ``requests`` (default max(2 x concurrency, 4)) requests, ``concurrency`` in flight at once.
 
     Prompts are taken in order from the first, cycling; ``tag`` (if given) makes each request's prefix unique.
@@ -413,7 +444,7 @@ def run_level(client: Any, model: str, prompts: Sequence[list[dict[str, Any]]], 
             peak_in_flight = max(peak_in_flight, in_flight)
         try:
             return {"index": i, "prompt_index": i % len(prompts),
-                    **one_request(client, model, messages, max_tokens, timeout_s, t0)}
+                    **one_request(client, model, messages, max_tokens, timeout_s, t0, ignore_eos)}
         finally:
             with lock:
                 in_flight -= 1
@@ -485,6 +516,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompts", type=Path, default=None, help='JSONL of {"messages": [...]} (default: built-in)')
     p.add_argument("--num-prompts", type=int, default=32, help="built-in prompts (default 32)")
     p.add_argument("--seed", type=int, default=0, help="built-in prompts' seed (default 0)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the server's context length: prompts that would not fit it with --max-tokens are left out "
+                        "(counted with --model-dir's tokenizer)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="let requests end at the model's EOS (default: SGLang's ignore_eos, exactly --max-tokens each)")
     p.add_argument("--allow-prefix-cache", action="store_true",
                    help="send prompts untagged: repeated prompts may hit the server's prefix cache")
     p.add_argument("--server-pid", type=int, default=None, help="the server's pid: peak RSS of its process tree")
@@ -505,6 +541,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import openai
 
     prompts = load_prompts(args.prompts) if args.prompts else build_prompts(args.num_prompts, args.seed)
+    fitted = None
+    if args.context_length:
+        if args.model_dir is None:
+            p.error("--context-length needs --model-dir (its tokenizer counts the prompts)")
+        before = len(prompts)
+        prompts, lengths = fit_to_context(prompts, args.model_dir, args.context_length, args.max_tokens)
+        if not prompts:
+            p.error(f"no prompt fits --context-length {args.context_length} with --max-tokens {args.max_tokens}")
+        fitted = {"context_length": args.context_length, "prompts_before": before, "prompts_kept": len(prompts),
+                  "prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths)}
+        print(f"prompts fitted to the context ({args.context_length} tokens with {args.max_tokens} to generate): "
+              f"{len(prompts)} of {before} kept, {min(lengths)}-{max(lengths)} tokens", flush=True)
     config = json.loads((args.model_dir / "config.json").read_text()) if args.model_dir else None
     host = {**host_info(PACKAGES), "gpus": gpus(), "load_average_at_start": os.getloadavg()}
     print(f"host: {host['cpu']}, {host['physical_cores']} physical / {host['logical_cores']} logical cores, "
@@ -541,14 +589,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm: dict[str, Any] = {"requests": args.warmup, "errors": 0, "wall_s": 0.0}
     if args.warmup:
         w = run_level(client, args.model, prompts, 1, args.max_tokens, requests=args.warmup,
-                      timeout_s=args.timeout_s, tag=f"{run_tag} warmup" if run_tag else None)
+                      timeout_s=args.timeout_s, tag=f"{run_tag} warmup" if run_tag else None,
+                      ignore_eos=not args.stop_at_eos)
         warm.update(errors=w["errors"], wall_s=w["wall_s"], error_samples=w["error_samples"])
         print(f"warm-up: {args.warmup} request(s) in {w['wall_s']:.2f} s, {w['errors']} error(s)", flush=True)
 
     levels = []
     for c in args.concurrency:
         lv = run_level(client, args.model, prompts, c, args.max_tokens, requests=args.requests_per_level,
-                       timeout_s=args.timeout_s, server_pid=args.server_pid, tag=run_tag)
+                       timeout_s=args.timeout_s, server_pid=args.server_pid, tag=run_tag,
+                       ignore_eos=not args.stop_at_eos)
         levels.append(lv)
         print(f"  concurrency {c}: {lv['requests']} requests in {lv['wall_s']:.2f} s, {lv['errors']} error(s), "
               f"{lv['max_in_flight']} in flight at most", flush=True)
@@ -573,6 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
         settings["prompts_source"] = str(args.prompts) if args.prompts else f"built-in: {len(prompts)} prompts"
         settings["prefix_cache_tag"] = run_tag
+        settings["prompts_fitted"] = fitted
         doc = {"label": args.label or args.kt_method, "stamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "settings": settings, "host": host, "bandwidth": bandwidth,
                "model_dims": _dims_or_none(config) if config else None, "floor": floor, "floor_note": floor_note,

@@ -425,6 +425,7 @@ def _load_benchmark(args: argparse.Namespace, recipe: Any, endpoint: Any, key: s
             "--api-key", key, "--server-pid", str(endpoint.pid), "--model-dir", str(model_dir),
             "--kt-method", recipe.serving.kt_method, "--label", recipe.serving.kt_method,
             "--read-gb-s", str(read_gb_s), "--json", str(Path(args.load_json).absolute()),
+            *(["--context-length", str(recipe.serving.context_length)] if recipe.serving.context_length else []),
             *(args.load_args.split() if args.load_args else [])]
     started = time.perf_counter()
     rc = _serve_load().main(argv)

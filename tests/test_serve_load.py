@@ -134,7 +134,7 @@ def test_level_runs_requests_concurrently_and_times_them(server: FakeServer) -> 
     # what was sent: the model name passed through, greedy, usage asked for, a unique tag on every prompt
     body = server.bodies[0]
     assert body["model"] == "base:adapter" and body["temperature"] == 0 and body["max_tokens"] == 32
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True} and "ignore_eos" not in body
     firsts = [b["messages"][0]["content"] for b in server.bodies]
     assert len(set(firsts)) == 8 and all(f.startswith("[t c4 r") for f in firsts)
 
@@ -217,6 +217,7 @@ def test_main_end_to_end_writes_three_levels(server: FakeServer, tmp_path: Path)
     assert vs["measured_decode_tokens_per_s"] == doc["levels"][0]["decode_tokens_per_s_median"]
     assert vs["decode_over_floor"] == pytest.approx(vs["floor_tokens_per_s"] / vs["measured_decode_tokens_per_s"])
     assert doc["host"]["cpu"] and doc["host"]["logical_cores"]
+    assert all(body.get("ignore_eos") is True for body in server.bodies)  # exactly max_tokens each, by default
 
 
 def test_prompts_file_and_usage_fallback(server: FakeServer, tmp_path: Path) -> None:
@@ -231,3 +232,21 @@ def test_prompts_file_and_usage_fallback(server: FakeServer, tmp_path: Path) -> 
     assert row["usage_source"] == "chunks" and row["completion_tokens"] == TOKENS and row["prompt_tokens"] is None
     assert level["usage_from_chunks"] == 1 and level["prefill_tokens_per_s_median"] is None
     assert level["decode_tokens_per_s_median"] is not None
+
+
+def test_prompts_that_would_not_fit_the_servers_context_are_left_out(fixture_dir) -> None:
+    """A server refuses a prompt longer than its context (HTTP 400): the harness counts each prompt with the
+    model's own tokenizer and chat template and leaves out those that would not fit with max_tokens."""
+    from transformers import AutoTokenizer
+
+    model_dir = fixture_dir("bf16")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = serve_load.build_prompts(12, seed=3)
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert len(set(lengths)) > 8  # prompts of many lengths
+    context = sorted(lengths)[6] + serve_load.TAG_TOKENS + 64  # the 7 shortest fit with 64 tokens to generate
+    kept, counted = serve_load.fit_to_context(prompts, model_dir, context, 64)
+    assert len(kept) == 7 and sorted(counted) == sorted(lengths)[:7]
+    assert all(n + serve_load.TAG_TOKENS + 64 <= context for n in counted)
+    assert [prompts.index(m) for m in kept] == sorted(prompts.index(m) for m in kept)  # order kept
