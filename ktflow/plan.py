@@ -36,7 +36,7 @@ from ktflow.errors import InvalidInputError
 from ktflow.host.hardware import HostInfo
 from ktflow.host.pools import WORK_POOLS, pool_for_stage
 from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_batches, tokens_basis, tokens_per_micro_batch
-from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate
+from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate, serve_decode_estimate
 from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, kt_threads
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
@@ -57,6 +57,7 @@ class StageEstimate(BaseModel):
     gpus: int = 0
     seconds: float | None = None
     step_seconds: float | None = None  # sft: one optimizer step, predicted
+    decode_tokens_per_s: float | None = None  # serve (sglang + KT): one sequence's decode, predicted
     time_basis: str = ""
     candidate: str = ""  # evaluate: how a retrained adapter is judged here, and why
     candidate_prices: list[str] = []  # evaluate: what each mode (beside, offline, swap) costs here, and if it fits
@@ -223,6 +224,12 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
 
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
+        if recipe.serving.backend == "sglang" and recipe.serving.kt_method:
+            decode = serve_decode_estimate(size, recipe.serving.kt_method,
+                                           recipe.serving.kt_cpuinfer or host.physical_cores, costs)
+            if decode is not None:
+                line.decode_tokens_per_s = decode.tokens_per_s
+                line.time_basis = decode.basis
     elif line.stage == "convert-lora":
         line.disk_bytes = GiB
     elif line.stage == "evaluate":
@@ -292,9 +299,12 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
                  f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
                  f"model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput; {calibration})")
         if sft.gpus > 1:
-            basis += (f"; on {sft.gpus} GPUs predicted no faster than on one: KT's CPU experts stream every "
-                      "micro-batch of the step whatever the GPU count (2 x H200, tiny recipes: 0.61-0.65x one GPU's "
-                      "tokens/s, docs/benchmarks/multi-gpu); more GPUs add GPU memory, not speed")
+            step = step / costs.kt_multi_gpu_speed
+            basis += (f"; on {sft.gpus} GPUs {step:.1f} s, slower than on one ({costs.kt_multi_gpu_speed:.2f}x its "
+                      "tokens/s): KT's CPU experts stream every micro-batch of the step whatever the GPU count, and "
+                      "the ranks add their hand-offs (fitted on 2 x H200 tiny runs, 0.61-0.65x; the 57B model on "
+                      "4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4; docs/benchmarks/multi-gpu); more "
+                      "GPUs add GPU memory, not speed")
     elif sft.backend == "hf" and sft.gpus > 0:
         step = hf_step_seconds(size, sft, costs, tokens_per_step=round(tokens * sft.gradient_accumulation_steps))
         load = costs.hf_load_s + costs.hf_load_s_per_gb * gb

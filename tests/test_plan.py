@@ -388,3 +388,32 @@ def test_without_the_hub_the_plan_says_the_size_is_unknown(tmp_path: Path) -> No
     plan = plan_recipe(recipe, _host())  # conftest keeps huggingface_hub offline
     assert plan.model is None and "HF_HUB_OFFLINE" in plan.model_source
     assert next(s for s in plan.stages if s.stage == "sft").time_basis == "model size unknown"
+
+
+def test_serving_decode_line_reproduces_the_bigger_than_gpu_runs_it_was_fitted_on() -> None:
+    """The serve line's decode rate (MoE layers x a per-layer cost + a multiple of the bandwidth floor) gives back
+    the two runs of docs/benchmarks/bigger-than-gpu-served/ it was fitted on (10.89 tokens/s RAWINT4, 9.90 AMXINT8,
+    64 threads, read bandwidth 149.7 GB/s); more MoE layers or bytes a token are slower, never faster."""
+    from ktflow.planning.costs import serve_decode_estimate
+
+    experts = 7 * 180 * 3 * 2048 * 7168  # gpu_host/big.py's model: 7 MoE layers of 180 experts, top-8
+    big = ModelSize(path="big", parameters=57_071_086_892, hidden_size=7168, num_layers=8, vocab_size=163840,
+                    linear_shapes={}, expert_parameters=experts, moe_layers=7, routed_experts=180,
+                    experts_per_token=8)
+    raw, int8 = (serve_decode_estimate(big, m, threads=64) for m in ("RAWINT4", "AMXINT8"))
+    assert raw is not None and int8 is not None
+    assert raw.active_bytes_per_token == pytest.approx(1_387_266_048, rel=1e-3)  # serve_load.py's exact bytes
+    assert raw.tokens_per_s == pytest.approx(10.89, rel=0.01) and int8.tokens_per_s == pytest.approx(9.90, rel=0.02)
+    assert raw.read_gb_s == 149.7 and "not checked" in raw.basis
+    deeper = serve_decode_estimate(big.model_copy(update={"moe_layers": 60, "expert_parameters": experts * 60 // 7}),
+                                   "RAWINT4", threads=64)
+    assert deeper is not None and deeper.tokens_per_s < raw.tokens_per_s < raw.floor_tokens_per_s
+    assert serve_decode_estimate(big, "BF16", threads=64).tokens_per_s < int8.tokens_per_s  # type: ignore[union-attr]
+
+
+def test_plan_has_a_serving_line_with_decode_for_sglang_recipes() -> None:
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.kt_cpuinfer=64"])
+    host = _host(gpus=4, ram_gib=2048, disk_gib=4096, cores=64)
+    serve = next(s for s in plan_recipe(recipe, host).stages if s.stage == "serve")
+    assert serve.decode_tokens_per_s is not None and 0 < serve.decode_tokens_per_s < 10
+    assert serve.time_basis.startswith("decode at concurrency 1:") and "(RAWINT4)" in serve.time_basis

@@ -85,6 +85,24 @@ class CostModel(BaseModel):
     # reads BF16 experts at 0.14 GB/s per core (2-core box: 1.61 GB in 5.65 s); README's figures.
     dequantize_bytes_per_s: float = 2.5e9
     quantize_bytes_per_core_s: float = 0.14e9
+    # KT SFT on several GPUs (sft.gpus > 1, the recipe's batch split over them): tokens/s relative to one GPU.
+    # Fitted on the tiny recipes on 2 x H200 (BF16 0.61x, RAWINT4 0.65x); checked on the 57B bigger-than-GPU
+    # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (docs/benchmarks/multi-gpu).
+    kt_multi_gpu_speed: float = 0.63
+    # Serving (sglang-kt, KT CPU experts, a KT LoRA adapter, CUDA graphs off, triton attention): one sequence's
+    # decode at concurrency 1 costs, a token, a fixed time per MoE layer (KT's per-layer hand-off, the layer's GPU
+    # kernels launched one by one) plus a multiple of its *decode floor* (the routed experts one token activates,
+    # as the method stores them, read once at the host's read bandwidth). Fitted on the two runs of one device
+    # call, exactly (two points, two constants; no run checks them): the bigger-than-GPU Kimi-format model with
+    # its adapter on the 4 x H200 host (64 AMX cores, 149.7 / 148.1 GB/s read measured in the same call), 7 MoE
+    # layers, top-8: RAWINT4 1.39 GB a token, 91.8 ms; AMXINT8 2.47 GB, 101.0 ms (docs/benchmarks/
+    # bigger-than-gpu-served, 3 requests each; those requests stopped at EOS after 3-50 tokens).
+    serve_decode_layer_s: float = 0.01147
+    serve_decode_floors: float = 1.243
+    # The highest read bandwidth measured on any host (GB/s; the 64-core host above): the power law of
+    # kt_read_gb_s is not extended past it for serving (read bandwidth saturates; 98 / 144 / 138 GB/s at
+    # 16 / 32 / 64 threads on that host).
+    serve_read_gb_s_ceiling: float = 149.7
     # KT's whole step on the host planned for, relative to the machine of the fit: 1 as shipped;
     # what the host's own runs measured where it has some (ktflow.planning.host_speed).
     kt_host_factor: float = 1.0
@@ -92,6 +110,44 @@ class CostModel(BaseModel):
 
 COSTS = CostModel()
 """The constants ktflow plans with."""
+
+
+# Bytes a routed-expert parameter occupies as sglang-kt's --kt-method reads it from CPU RAM.
+SERVE_BYTES_PER_PARAM: dict[str, float] = {"RAWINT4": 0.5625, "AMXINT8": 1.0, "FP8": 1.0, "BF16": 2.0, "AMXBF16": 2.0}
+
+
+class DecodeEstimate(BaseModel):
+    """One sequence's decode rate on the serving host (concurrency 1), from the decode floor."""
+
+    method: str
+    active_bytes_per_token: int  # the routed experts one token activates, as the method stores them
+    read_gb_s: float  # the host's read bandwidth at the serving threads, as the plan models it
+    threads: int
+    floor_tokens_per_s: float  # reading those bytes once a token, nothing else
+    tokens_per_s: float  # per MoE layer cost + a multiple of the floor (CostModel's serve_decode_*)
+    basis: str
+
+
+def serve_decode_estimate(size: ModelSize, method: str, threads: int,
+                          costs: CostModel | None = None) -> DecodeEstimate | None:
+    """Decode tokens/s of one sequence served with KT CPU experts."""
+    costs = costs or COSTS
+    if method not in SERVE_BYTES_PER_PARAM or not size.moe_layers or not size.routed_experts:
+        return None
+    per_expert = size.expert_parameters / size.moe_layers / size.routed_experts
+    active = int(size.moe_layers * size.experts_per_token * per_expert * SERVE_BYTES_PER_PARAM[method])
+    read = min(host_rate(costs.kt_read_gb_s, threads), costs.serve_read_gb_s_ceiling)
+    floor = read * 1e9 / max(active, 1)
+    seconds = size.moe_layers * costs.serve_decode_layer_s + costs.serve_decode_floors / floor
+    rate = 1 / seconds
+    basis = (f"decode at concurrency 1: {active / 1e9:.2f} GB of routed experts a token ({method}) read at "
+             f"{read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s predicted "
+             f"({size.moe_layers} MoE layers x {costs.serve_decode_layer_s * 1e3:.1f} ms + "
+             f"{costs.serve_decode_floors:.2f} floors a token: fitted on one call's two runs on the 4 x H200 host, "
+             "CUDA graphs off; not checked on another host or model; docs/benchmarks/bigger-than-gpu-served)")
+    return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
+                          floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
+                          basis=basis)
 
 
 def host_rate(table: dict[int, float], threads: float) -> float:
