@@ -219,6 +219,8 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
                     f"{shape.gpu_bytes / GiB:.1f} GiB of GPU memory leaves less than {1 - GPU_MARGIN:.0%} of "
                     f"{spare / GiB:.1f} GiB spare")})
         candidates.append(shape)
+    if written not in candidates:  # on several GPUs the written micro-batch may not divide a GPU's share: still
+        candidates.insert(0, written)  # the recipe as written, and what any other split must beat
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=lambda c: (c.step_s, c is not written)) if fitting else written
     enabled = bool(sft.kt_shape_batches)
