@@ -310,8 +310,18 @@ def test_int4_kernel_reused_buffers_give_the_same_bits() -> None:
         fresh = decode_int4_pack_quantized(packed, scale, (rows, cols))
         reused = decode_int4_pack_quantized(packed, scale, (rows, cols), reuse_buffers=True).clone()
         assert torch.equal(fresh.view(torch.int16), reused.view(torch.int16))
+        into = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)  # quantize-int8's driver decodes in place
+        assert decode_int4_pack_quantized(packed, scale, (rows, cols), out=into) is into
+        assert torch.equal(fresh.view(torch.int16), into.view(torch.int16))
         results.append(reused)
     assert not torch.equal(results[0], results[2])  # different seeds, and no stale scratch leaked
+    # a shape off the fast path (a partial scale group) decodes into ``out`` alike
+    q = torch.randint(-8, 8, (3, 40), generator=torch.Generator().manual_seed(7), dtype=torch.int8)
+    scale = torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    into = torch.empty(3, 40, dtype=torch.bfloat16)
+    decode_int4_pack_quantized(pack_to_int32(q, 4), scale, (3, 40), out=into)
+    assert torch.equal(into, decode_int4_pack_quantized(pack_to_int32(q, 4), scale, (3, 40)))
+    assert torch.equal(into, (q.float() * 0.5).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("chunk", [64, 1000])

@@ -266,19 +266,19 @@ class _Source:
 
     def decode_int4_into(self, file: str, packed: str, scale_file: str, scale: str, out: torch.Tensor) -> None:
         """``out`` [rows, cols] BF16 <- the INT4 weight ``packed`` (I32 [rows, cols/8]) with its BF16 ``scale``."""
-        from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quantized
+        from ktflow.formats.quant_decode import INT4_GROUP_SIZE, _scratch_buffer, decode_int4_pack_quantized
 
         rows, cols = out.shape
-        packed_buf = _thread_buffer("packed", rows * cols // 2)
-        scale_buf = _thread_buffer("scale", rows * (cols // INT4_GROUP_SIZE) * 2)
+        # this thread's scratch, reused: a fresh tensor per expert costs its page faults
+        packed_buf = _scratch_buffer("packed", rows * cols // 2, torch.uint8)
+        scale_buf = _scratch_buffer("scale", rows * (cols // INT4_GROUP_SIZE) * 2, torch.uint8)
         self.read_into(file, packed, packed_buf, dtype="I32", shape=(rows, cols // 8))
         self.read_into(scale_file, scale, scale_buf, shape=(rows, cols // INT4_GROUP_SIZE))
         scales = scale_buf.view(torch.bfloat16).view(rows, cols // INT4_GROUP_SIZE)
         if not bool(torch.isfinite(scales).all()):  # NaN/inf weights would quantize to garbage silently
             raise DriverError(f"{self.header(scale_file).path}: tensor '{scale}' has NaN or infinite scales: "
                               "the shard is corrupt; re-download it")
-        out.copy_(decode_int4_pack_quantized(packed_buf.view(torch.int32).view(rows, cols // 8), scales, (rows, cols),
-                                             reuse_buffers=True))
+        decode_int4_pack_quantized(packed_buf.view(torch.int32).view(rows, cols // 8), scales, (rows, cols), out=out)
 
     def _load_one(self, item: list[str], out: torch.Tensor) -> None:
         if len(item) == 2:
@@ -296,18 +296,6 @@ class _Source:
         with ThreadPoolExecutor(max_workers=self.threads) as pool:
             for future in [pool.submit(self._load_one, item, out) for item, out in jobs]:
                 future.result()
-
-
-_thread_local = threading.local()
-
-
-def _thread_buffer(name: str, nbytes: int) -> torch.Tensor:
-    """This thread's uint8 scratch ``name`` of ``nbytes`` (reused: a fresh tensor per expert costs its page faults)."""
-    buf = getattr(_thread_local, name, None)
-    if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        setattr(_thread_local, name, buf)
-    return buf[:nbytes]
 
 
 def _header_matches(path: Path, plan: Plan) -> bool:

@@ -91,6 +91,7 @@ def decode_int4_pack_quantized(
     group_size: int = INT4_GROUP_SIZE,
     *,
     reuse_buffers: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode one compressed-tensors ``pack-quantized`` symmetric INT4 weight to BF16.
 
@@ -98,15 +99,17 @@ def decode_int4_pack_quantized(
     ``4j..4j+3``; the stored nibble is ``q + 8``. ``W[r, c] = bf16(q * scale[r, c // group])``:
     the fp32 product is exact, so rounding it once equals compressed-tensors' bf16 multiply.
 
-    With ``reuse_buffers`` the result is a view of this thread's scratch, valid until its next call.
+    With ``reuse_buffers`` the result is a view of this thread's scratch, valid until its next call;
+    with ``out`` (contiguous BF16 ``shape``) it is decoded into ``out``, which is returned.
     """
     rows, cols = shape
     nbytes = packed.shape[1] * 4
     groups = scale.shape[1]
     as_bytes = packed.contiguous().view(torch.uint8).reshape(rows, nbytes)
     if _int4_fast_path(packed.shape[1], groups, cols, group_size):
-        out = (_scratch_buffer("out", rows * cols, torch.bfloat16) if reuse_buffers
-               else torch.empty(rows * cols, dtype=torch.bfloat16)).view(rows, cols)
+        if out is None:
+            out = (_scratch_buffer("out", rows * cols, torch.bfloat16) if reuse_buffers
+                   else torch.empty(rows * cols, dtype=torch.bfloat16)).view(rows, cols)
         step = max(1, _decode_chunk() // max(cols, 1))
         index = _scratch_buffer("index", min(step, rows) * cols // 4, torch.int32)
         for r0 in range(0, rows, step):
@@ -121,8 +124,9 @@ def decode_int4_pack_quantized(
     if q.shape[1] < padded_cols:  # odd shapes: pad so every scale group is whole
         q = torch.nn.functional.pad(q, (0, padded_cols - q.shape[1]), value=8)
     q = q[:, :padded_cols].to(torch.float32).sub_(8.0)
-    out = q.view(rows, groups, group_size).mul_(scale.to(torch.float32).unsqueeze(-1))
-    return out.view(rows, padded_cols)[:, :cols].to(torch.bfloat16)
+    decoded = q.view(rows, groups, group_size).mul_(scale.to(torch.float32).unsqueeze(-1))
+    decoded = decoded.view(rows, padded_cols)[:, :cols].to(torch.bfloat16)
+    return decoded if out is None else out.copy_(decoded)
 
 
 def decode_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:

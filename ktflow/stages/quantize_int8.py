@@ -74,6 +74,7 @@ from ktflow.formats.checkpoint import (
 )
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
+from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
@@ -90,7 +91,6 @@ _LOG = ".ktflow-int8.log"
 _HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk check
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
                      r"(weight|weight_packed|weight_scale|weight_shape)$")
-INT4_SOURCE_FORMATS = ("kimi-k2.5-int4", "kimi-k2-int4")
 _DRIVER_BASE_BYTES = 1 * GiB  # python + torch (CUDA build) + kt-kernel imported: ~0.6 GB, with margin
 
 
@@ -185,7 +185,7 @@ class _Layout:
     def __init__(self, src: Path, num_layers: int, experts: int, hidden: int, inter: int, fmt: str = "bf16") -> None:
         weight_map, _ = read_weight_map(src)
         self.headers: dict[str, SafetensorsHeader] = {f: read_header(src / f) for f in sorted(set(weight_map.values()))}
-        int4 = fmt in INT4_SOURCE_FORMATS
+        int4 = fmt in INT4_FORMATS
         found: dict[int, dict[tuple[str, int], list[str]]] = {}
         parts: dict[tuple[int, str, int], dict[str, tuple[str, str, Any]]] = {}  # INT4: packed/scale/shape
         self.non_expert: list[tuple[str, str, str]] = []  # (output name, file, source name)
@@ -391,7 +391,7 @@ def _check_arguments(request: QuantizeInt8Request) -> None:
 def _inspect_source(bf16_dir: Path, out_dir: Path, t: int) -> CheckpointInfo:
     """The BF16 checkpoint's description, refusing what kt-kernel's INT8 path cannot take."""
     info = inspect_checkpoint(bf16_dir)
-    if info.format != "bf16" and info.format not in INT4_SOURCE_FORMATS:
+    if info.format != "bf16" and info.format not in INT4_FORMATS:
         raise InvalidInputError(
             str(bf16_dir),
             f"is a {info.format} checkpoint; quantize-int8 takes BF16 experts, or Kimi INT4 experts it decodes "
