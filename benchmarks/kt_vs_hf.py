@@ -200,9 +200,8 @@ class Sampler:
         existing = trainer_log() if skip_existing else None
         self.log_start = existing.stat().st_size if existing is not None and existing.is_file() else 0
         self.peak_rss = 0
-        self.gpu_baseline = self.gpu_peak = _gpu_used_mib()
-        # every GPU's memory.used (a run on several GPUs): baseline and peak per GPU, GPU 0 as above
-        self.gpu_baselines = _gpus_used_mib() if self.gpu_baseline is not None else []
+        # every GPU's memory.used, before and at its peak (a run on several GPUs uses several; [] without nvidia-smi)
+        self.gpu_baselines = _gpus_used_mib()
         self.gpu_peaks = list(self.gpu_baselines)
         self.child_span: list[float] = []
         self.stamps: list[tuple[float, dict[str, Any]]] = []
@@ -210,12 +209,22 @@ class Sampler:
         self._threads = [threading.Thread(target=self._tree, daemon=True),
                          threading.Thread(target=self._log, daemon=True)]
         self._smi = None
-        if self.gpu_baseline is not None:
+        if self.gpu_baselines:
             self._smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
                                           "--loop-ms=100"], stdout=subprocess.PIPE, text=True)
             self._threads.append(threading.Thread(target=self._gpu, daemon=True))
         for t in self._threads:
             t.start()
+
+    @property
+    def gpu_baseline(self) -> int | None:
+        """GPU 0's memory.used before the leg (None without nvidia-smi)."""
+        return self.gpu_baselines[0] if self.gpu_baselines else None
+
+    @property
+    def gpu_peak(self) -> int | None:
+        """GPU 0's peak memory.used during the leg."""
+        return self.gpu_peaks[0] if self.gpu_peaks else None
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -241,17 +250,14 @@ class Sampler:
 
     def _gpu(self) -> None:
         assert self._smi is not None and self._smi.stdout is not None
-        n = max(1, len(self.gpu_peaks))
+        n = len(self.gpu_peaks)
         i = 0  # each tick prints one line per GPU, in index order
         for line in self._smi.stdout:
             try:
                 used = int(line.strip())
             except ValueError:
                 continue
-            if i % n == 0:
-                self.gpu_peak = max(self.gpu_peak or 0, used)
-            if self.gpu_peaks:
-                self.gpu_peaks[i % n] = max(self.gpu_peaks[i % n], used)
+            self.gpu_peaks[i % n] = max(self.gpu_peaks[i % n], used)
             i += 1
 
     def _log(self) -> None:
@@ -280,16 +286,10 @@ class Sampler:
             t.join(timeout=5)
 
 
-def _gpu_used_mib() -> int | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                         capture_output=True, text=True)
-    return int(out.stdout.strip()) if out.returncode == 0 else None
-
-
 def _gpus_used_mib() -> list[int]:
-    """memory.used of every GPU, in index order."""
+    """memory.used (MiB) of every GPU, in index order; [] without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return []
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True)
     return [int(v) for v in out.stdout.split()] if out.returncode == 0 else []

@@ -268,6 +268,16 @@ def measure_read_bandwidth(gib: float, threads: int, repeats: int = 5) -> float:
     return max(read_bandwidth_samples(gib, threads, repeats))
 
 
+def bandwidth_record(gib: float = 4.0, threads: int | None = None, repeats: int = 5) -> dict[str, Any]:
+    """The read bandwidth as the JSON records it: best and median GB/s of ``repeats``, at ``threads``
+    (default: physical cores)."""
+    threads = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    rates = read_bandwidth_samples(gib, threads, repeats)
+    return {"read_gb_s": max(rates), "read_gb_s_median": statistics.median(rates), "threads": threads, "gib": gib,
+            "repeats": repeats, "samples_gb_s": rates,
+            "how": "torch float32 sum over the buffer on the CPU, before any request; best of the repeats"}
+
+
 # --------------------------------------------------------------------------- sampling while a level runs
 
 
@@ -563,11 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.read_gb_s is not None:
         bandwidth = {"read_gb_s": args.read_gb_s, "how": "given by the caller (--read-gb-s)"}
     elif not args.no_bandwidth:
-        threads = args.bandwidth_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        rates = read_bandwidth_samples(args.bandwidth_gib, threads, args.bandwidth_repeats)
-        bandwidth = {"read_gb_s": max(rates), "read_gb_s_median": statistics.median(rates), "threads": threads,
-                     "gib": args.bandwidth_gib, "repeats": args.bandwidth_repeats, "samples_gb_s": rates,
-                     "how": "torch float32 sum over the buffer on the CPU, before any request; best of the repeats"}
+        bandwidth = bandwidth_record(args.bandwidth_gib, args.bandwidth_threads, args.bandwidth_repeats)
+        threads = bandwidth["threads"]
         print(f"memory read bandwidth: {bandwidth['read_gb_s']:.1f} GB/s best, {bandwidth['read_gb_s_median']:.1f} "
               f"median ({threads} threads, {args.bandwidth_gib:g} GiB, {args.bandwidth_repeats} repeats)", flush=True)
 

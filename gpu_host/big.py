@@ -618,9 +618,10 @@ def phase_resume(work: Work) -> int:
     return 0 if result["outcome"] == "trained" and result["resumed_from"] else 1
 
 
-def serve_sets(work: Work, method: str) -> list[str]:
-    """The serving recipe's overrides: the sft phase's (same run key), the serving toolchain, the method."""
-    return [*work.sets(work.root / "store"), f"toolchains.serve.python={work.serve_python}",
+def serve_sets(work: Work, method: str, serve_python: Path | None = None) -> list[str]:
+    """The serving recipe's overrides: the sft phase's (same run key), the serving toolchain (default: the
+    serving bundle's), the method."""
+    return [*work.sets(work.root / "store"), f"toolchains.serve.python={serve_python or work.serve_python}",
             f"serving.kt_method={method}"]
 
 
@@ -631,8 +632,7 @@ def phase_serve_prep(work: Work) -> int:
     Runs in the training toolchain (kt-kernel 0.7.2 there quantizes as the serving one does)."""
     doc: dict[str, Any] = {"free_disk_gb_before": free_disk_gb(work.root)}
     for method in work.methods:
-        sets = [*work.sets(work.root / "store"), f"toolchains.serve.python={work.python}", f"serving.kt_method={method}"]
-        argv = [str(work.ktflow_python), __file__, "_serve_prep", json.dumps(sets)]
+        argv = [str(work.ktflow_python), __file__, "_serve_prep", json.dumps(serve_sets(work, method, work.python))]
         made = run_watched(argv, env=work.env(), log=work.results / f"serve-prep-{method}.log", limit_s=PHASE_LIMIT_S)
         doc[method] = {k: made[k] for k in ("rc", "outcome", "wall_s", "peak_host_rss_gib", "error_line")}
         doc[method]["made"] = next((json.loads(line[len("PREPARED "):]) for line in reversed(made["log_tail"])
@@ -649,13 +649,11 @@ def phase_serve_prep(work: Work) -> int:
 def child_serve_prep(sets_json: str) -> int:
     """In the toolchain: ``ktflow serve``'s own preparation (ktflow.cli.serving.cmd_serve up to the launch)."""
     from ktflow.cli import project_dir_of
+    from ktflow.cli.serving import _served_adapter
     from ktflow.recipe import load_recipe
-    from ktflow.stages.convert_lora import convert_lora
     from ktflow.stages.promotion import serving_dir
     from ktflow.stages.serve.sglang_inputs import sglang_inputs
-    from ktflow.stages.sft import locate_adapter
     from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
-    from ktflow.store import read_manifest
 
     os.chdir(project_dir_of(SERVE_RECIPE))
     recipe = load_recipe(SERVE_RECIPE, json.loads(sets_json))
@@ -667,10 +665,7 @@ def child_serve_prep(sets_json: str) -> int:
                                                    bf16_dir=trained_on if trained_on != source else None, log=print)
     timings["weights_s"] = round(time.perf_counter() - started, 1)
     started = time.perf_counter()
-    trained = locate_adapter(recipe, trained_on)
-    digest = read_manifest(trained).digest()  # type: ignore[union-attr]
-    adapter = convert_lora(trained, recipe.store.layout.adapter(digest[:16]), base_dir=trained_on,
-                           serve_python=recipe.toolchains.serve.python).path
+    adapter = _served_adapter(recipe, trained_on)  # the SFT run's adapter through convert-lora, as `ktflow serve`
     timings["convert_s"] = round(time.perf_counter() - started, 1)
     started = time.perf_counter()
     view, kt_dir = sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weights, adapter_dir=adapter,

@@ -407,12 +407,8 @@ def _serve_load() -> Any:
 
 def _read_bandwidth() -> dict[str, Any]:
     """The host's read bandwidth (serve_load's measurement: every physical core, 4 GiB, best of 5)."""
-    import psutil
-
-    threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    rates = _serve_load().read_bandwidth_samples(4.0, threads, 5)
-    found = {"read_gb_s": max(rates), "samples_gb_s": rates, "threads": threads, "gib": 4.0}
-    print(f"[serve] host read bandwidth {found['read_gb_s']:.1f} GB/s ({threads} threads), before the server",
+    found = _serve_load().bandwidth_record()
+    print(f"[serve] host read bandwidth {found['read_gb_s']:.1f} GB/s ({found['threads']} threads), before the server",
           flush=True)
     return found
 

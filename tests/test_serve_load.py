@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -26,6 +27,7 @@ import serve_load  # noqa: E402
 FIRST_DELAY_S = 0.15  # before the first token
 TOKEN_DELAY_S = 0.03  # between later tokens
 TOKENS = 12
+GATHER_S = 10.0  # how long a tagged request waits for its level's other requests
 
 
 class FakeServer(ThreadingHTTPServer):
@@ -35,7 +37,7 @@ class FakeServer(ThreadingHTTPServer):
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.in_flight = self.max_in_flight = self.arrived = 0
         self.fail_every = 0  # every n-th arriving request gets HTTP 500 (0: none)
         self.usage = True  # False: no usage chunk (a server that ignores stream_options)
@@ -57,6 +59,12 @@ class Handler(BaseHTTPRequestHandler):
             srv.bodies.append(body)
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+            srv.lock.notify_all()
+            # A request tagged "c<N>" (serve_load's tag: its level's concurrency) is held until N are in flight
+            # (at most GATHER_S): the level's overlap then does not rest on how fast this box starts threads.
+            gather = re.search(r"\bc(\d+) r\d+\]", str(body.get("messages", [{}])[0].get("content", "")))
+            if gather:
+                srv.lock.wait_for(lambda: srv.in_flight >= int(gather.group(1)), timeout=GATHER_S)
         try:
             if self.path != "/v1/chat/completions" or not body.get("stream"):
                 self.send_error(404)

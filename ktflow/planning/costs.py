@@ -112,8 +112,10 @@ COSTS = CostModel()
 """The constants ktflow plans with."""
 
 
-# Bytes a routed-expert parameter occupies as sglang-kt's --kt-method reads it from CPU RAM.
-SERVE_BYTES_PER_PARAM: dict[str, float] = {"RAWINT4": 0.5625, "AMXINT8": 1.0, "FP8": 1.0, "BF16": 2.0, "AMXBF16": 2.0}
+# Bytes a routed-expert parameter occupies as sglang-kt's --kt-method reads it from CPU RAM: its expert format's.
+SERVE_BYTES_PER_PARAM: dict[str, float] = {
+    method: KT_BYTES_PER_PARAM[fmt]
+    for method, fmt in {"RAWINT4": "rawint4", "AMXINT8": "int8", "FP8": "fp8", "BF16": "bf16", "AMXBF16": "bf16"}.items()}
 
 
 class DecodeEstimate(BaseModel):

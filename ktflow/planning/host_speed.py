@@ -48,9 +48,9 @@ _ELAPSED = re.compile(r"^(?:(\d+) days?, )?(\d+):(\d\d):(\d\d)$")
 def model_digest(costs: CostModel = COSTS) -> str:
     """The fitted constants' identity: a record predicted by other constants (an older fit) is not evidence
     about these."""
-    # the serving constants predict no SFT step: a change there keeps the hosts' SFT calibrations
-    fitted = costs.model_dump_json(exclude={"kt_host_factor", "serve_decode_layer_s", "serve_decode_floors",
-                                            "serve_read_gb_s_ceiling"})
+    # the serving constants (serve_*) predict no SFT step: a change there keeps the hosts' SFT calibrations
+    serving = {name for name in CostModel.model_fields if name.startswith("serve_")}
+    fitted = costs.model_dump_json(exclude={"kt_host_factor", *serving})
     return hashlib.sha256(fitted.encode()).hexdigest()[:16]
 
 
