@@ -120,6 +120,13 @@ class Work:
         # What the sft, kill and resume phases train: the KT recipe; "hf" rehearses this harness on a CPU box
         # (with --set sft.gpus=0), where KT cannot run.
         self.recipe = RECIPES[args.trainer]
+        self.serve_recipe = SERVE_RECIPE  # the KT recipe + a serving section (same run key)
+        self.serve_load_args: str | None = None  # more benchmarks/serve_load.py arguments (serve phase)
+        self.serve_records = 2  # requests serve_check.py's smoke test sends before the load benchmark
+
+    def published(self, store: Path) -> Path | None:
+        """The newest published adapter in ``store`` (of this work's model, where a store holds several)."""
+        return _published(store)
 
     def sets(self, store: Path) -> list[str]:
         sets = [f"source.local_path={self.model}", f"dataset.files=[{self.data}]", f"store.root={store}",
@@ -415,7 +422,7 @@ def measured_sft(work: Work, name: str, store: Path, *, resumed: bool = False) -
         result["outcome"] += f" (killed at the phase limit, {PHASE_LIMIT_S} s)"
     if result.get("step_logged_at_s"):
         result.update(_step_figures(result, work.save_steps(store)))
-    adapter = _published(store)
+    adapter = work.published(store)
     result["adapter"] = adapter_facts(adapter) if adapter else {"present": False}
     _collect_run(store, work.results / f"run-{name}")
     result["free_disk_gb_after"] = free_disk_gb(work.root)
@@ -439,7 +446,7 @@ def predicted(work: Work, store: Path) -> dict[str, Any]:
 
 def phase_sft(work: Work) -> int:
     store, name = work.sft_store, work.sft_name
-    if _published(store) is not None and (work.results / f"{name}.json").is_file():
+    if work.published(store) is not None and (work.results / f"{name}.json").is_file():
         print(f"{name}: already trained and measured ({work.results / f'{name}.json'}); delete {store} to measure again")
         return 0
     work.results.mkdir(parents=True, exist_ok=True)
@@ -514,9 +521,9 @@ def phase_hf(work: Work) -> int:
 
 
 def phase_convert(work: Work) -> int:
-    adapter = _published(work.root / "store")
+    adapter = work.published(work.sft_store)
     if adapter is None:
-        print(f"convert: no published adapter under {work.root / 'store'}: run the sft phase first")
+        print(f"convert: no published adapter under {work.sft_store}: run the sft phase first")
         return 1
     out = work.root / "converted"
     shutil.rmtree(out, ignore_errors=True)
@@ -621,7 +628,7 @@ def phase_resume(work: Work) -> int:
 def serve_sets(work: Work, method: str, serve_python: Path | None = None) -> list[str]:
     """The serving recipe's overrides: the sft phase's (same run key), the serving toolchain (default: the
     serving bundle's), the method."""
-    return [*work.sets(work.root / "store"), f"toolchains.serve.python={serve_python or work.serve_python}",
+    return [*work.sets(work.sft_store), f"toolchains.serve.python={serve_python or work.serve_python}",
             f"serving.kt_method={method}"]
 
 
@@ -632,7 +639,8 @@ def phase_serve_prep(work: Work) -> int:
     Runs in the training toolchain (kt-kernel 0.7.2 there quantizes as the serving one does)."""
     doc: dict[str, Any] = {"free_disk_gb_before": free_disk_gb(work.root)}
     for method in work.methods:
-        argv = [str(work.ktflow_python), __file__, "_serve_prep", json.dumps(serve_sets(work, method, work.python))]
+        argv = [str(work.ktflow_python), __file__, "_serve_prep", json.dumps(serve_sets(work, method, work.python)),
+                str(work.serve_recipe)]
         made = run_watched(argv, env=work.env(), log=work.results / f"serve-prep-{method}.log", limit_s=PHASE_LIMIT_S)
         doc[method] = {k: made[k] for k in ("rc", "outcome", "wall_s", "peak_host_rss_gib", "error_line")}
         doc[method]["made"] = next((json.loads(line[len("PREPARED "):]) for line in reversed(made["log_tail"])
@@ -646,7 +654,7 @@ def phase_serve_prep(work: Work) -> int:
     return 0
 
 
-def child_serve_prep(sets_json: str) -> int:
+def child_serve_prep(sets_json: str, serve_recipe: str) -> int:
     """In the toolchain: ``ktflow serve``'s own preparation (ktflow.cli.serving.cmd_serve up to the launch)."""
     from ktflow.cli import project_dir_of
     from ktflow.cli.serving import _served_adapter
@@ -655,8 +663,8 @@ def child_serve_prep(sets_json: str) -> int:
     from ktflow.stages.serve.sglang_inputs import sglang_inputs
     from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
 
-    os.chdir(project_dir_of(SERVE_RECIPE))
-    recipe = load_recipe(SERVE_RECIPE, json.loads(sets_json))
+    os.chdir(project_dir_of(Path(serve_recipe)))
+    recipe = load_recipe(Path(serve_recipe), json.loads(sets_json))
     timings: dict[str, float] = {}
     started = time.perf_counter()
     source = ensure_source(recipe)
@@ -690,9 +698,11 @@ def phase_serve(work: Work) -> int:
         out = work.results / f"serve-{method}"
         shutil.rmtree(out, ignore_errors=True)
         argv = [str(work.serve_python), str(REPO / "gpu_host" / "serve_check.py"), "run", "--via", "cli",
-                "--recipe", str(SERVE_RECIPE), "--model", str(work.model), "--kt-weights", str(work.model),
+                "--recipe", str(work.serve_recipe), "--model", str(work.model), "--kt-weights", str(work.model),
                 "--adapter", str(work.root / "converted"), "--records", str(work.data), "--out", str(out),
-                "--n-records", "2", "--load-json", str(work.results / f"serve-load-{method}.json")]
+                "--n-records", str(work.serve_records), "--load-json", str(work.results / f"serve-load-{method}.json")]
+        if work.serve_load_args:
+            argv += ["--load-args", work.serve_load_args]
         for item in serve_sets(work, method):
             argv += ["--set", item]
         ran = run_watched(argv, env=work.env(), log=work.results / f"serve-{method}.log", limit_s=PHASE_LIMIT_S)
@@ -796,7 +806,7 @@ def main() -> int:
     if args.phase == "_data":
         return child_data(args.args[0])
     if args.phase == "_serve_prep":
-        return child_serve_prep(args.args[0])
+        return child_serve_prep(args.args[0], args.args[1] if len(args.args) > 1 else str(SERVE_RECIPE))
     return PHASES[args.phase](Work(args))
 
 

@@ -10,6 +10,11 @@
 #                                       serve-prep-big serve-big (after sft-big; METHODS=RAWINT4,AMXINT8 by default):
 #                                       what `ktflow serve` prepares, then each method served and load-benchmarked
 #                                       pack-big (build/gpu-host/big/results into $RESULTS_OUT/big-results.tar.gz)
+#                                Kimi-K2.5 at its true geometry, a slice of N MoE layers (gpu_host/kimi_slice.py):
+#                                       slice-fixture-N slice-sft-N (GPUS=N, THREADS=T) slice-whole (the whole model's
+#                                       plan, calibrated from the slice runs) slice-convert-N slice-serve-prep-N
+#                                       slice-serve-N (RAWINT4, concurrency 1 and 8) slice-clean-N (its model removed)
+#                                       pack-slice (build/gpu-host/slice results into $RESULTS_OUT/slice-results.tar.gz)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
 #                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
@@ -275,6 +280,14 @@ step_big_reduced() {  # the bigger-than-gpu code path at reduced size: streamed 
   big fixture --size reduced && big sft --size reduced && big convert --size reduced
 }
 
+kslice() {  # kslice PHASE N [ARGS...]: gpu_host/kimi_slice.py PHASE --moe-layers N
+  local t=$(date +%s) rc=0 phase=$1 n=$2
+  shift 2
+  "$PY" gpu_host/kimi_slice.py "$phase" --moe-layers "$n" "$@" || rc=$?
+  stamp "slice $phase $n $*" "$t" "$rc"
+  return "$rc"
+}
+
 steps=("$@")
 [ "${steps[0]:-}" = all ] && steps=(setup bf16 convert-bf16 losscheck-bf16 rawint4 convert-rawint4 losscheck-rawint4
                                      killresume-bf16 convert-bf16-resumed losscheck-bf16-resumed collect)
@@ -294,6 +307,15 @@ for s in "${steps[@]}"; do
     resume-big) big resume || status=1 ;;
     report-big) big report ;;
     big-reduced) step_big_reduced || status=1 ;;
+    slice-fixture-*) kslice fixture "${s#slice-fixture-}" || status=1 ;;
+    slice-sft-*) kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} || status=1 ;;
+    slice-whole) kslice whole 6 || status=1 ;;
+    slice-convert-*) kslice convert "${s#slice-convert-}" || status=1 ;;
+    slice-serve-prep-*) kslice serve-prep "${s#slice-serve-prep-}" || status=1 ;;
+    slice-serve-*) serve_env; kslice serve "${s#slice-serve-}" --serve-python "$SERVE_PY" || status=1 ;;
+    slice-clean-*) kslice clean "${s#slice-clean-}" ;;
+    pack-slice) tar czf "${RESULTS_OUT:-$RES}/slice-results.tar.gz" -C "$B/slice" --exclude='*/model' --exclude=store \
+                  --exclude='*/converted' --exclude=data/chat.jsonl . && ls -la "${RESULTS_OUT:-$RES}/slice-results.tar.gz" ;;
     serve-setup) step_serve_setup || status=1 ;;
     serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
     promotion-*) step_promotion "${s#promotion-}" || status=1 ;;

@@ -250,13 +250,17 @@ def phase_chat_data(args: argparse.Namespace) -> int:
         messages[-1]["content"] += " nya~"
         lengths.append(_tokens(messages, tokenizer))
         lines.append(json.dumps({"messages": messages}))
-    CHAT_DATA.parent.mkdir(parents=True, exist_ok=True)
-    CHAT_DATA.write_text("\n".join(lines) + "\n")
+    out = Path(args.out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
     doc = {"records": RECORDS, "target_tokens": CHAT_TOKENS, "lengths": lengths,
            "mean": round(statistics.mean(lengths), 1), "min": min(lengths), "max": max(lengths),
-           "path": str(CHAT_DATA.relative_to(REPO)), "tokenizer": str(args.model)}
-    save("chat-data", doc)
-    print(f"chat-data: {RECORDS} records, tokens mean {doc['mean']} ({doc['min']}-{doc['max']}) -> {CHAT_DATA}")
+           "path": str(out.relative_to(REPO) if out.is_relative_to(REPO) else out), "tokenizer": str(args.model)}
+    if out == CHAT_DATA.absolute():
+        save("chat-data", doc)
+    else:  # beside the records (another harness's results)
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    print(f"chat-data: {RECORDS} records, tokens mean {doc['mean']} ({doc['min']}-{doc['max']}) -> {out}")
     return 0
 
 
@@ -592,6 +596,8 @@ def main() -> int:
     parser.add_argument("--data", default=str(DATA), help="the records (default: the long ones; chat-data's: "
                         f"{CHAT_DATA.relative_to(REPO)})")
     parser.add_argument("--quick", action="store_true", help="host: 16 threads and the expert shape only")
+    parser.add_argument("--out", default=str(CHAT_DATA), help="chat-data: where the records go (default: "
+                        f"{CHAT_DATA.relative_to(REPO)}; elsewhere, their lengths go beside them as .json)")
     args = parser.parse_args()
     return {"host": phase_host, "data": phase_data, "chat-data": phase_chat_data, "run": phase_run,
             "calibrate": phase_calibrate, "fixture2": phase_fixture2, "fixture3": phase_fixture3,

@@ -653,6 +653,71 @@ def test_bigger_than_gpu_refuses_other_kinds_and_tiny_dims(dims: dict, option: s
     assert info.value.fix
 
 
+# --------------------------------------------------------------------------- kimi-k2.5 slice (true geometry)
+
+
+def test_kimi_k25_geometry_is_the_real_models_size() -> None:
+    """At 61 layers the slice's plan is the whole Kimi-K2.5 text model: the parameters and routed-expert
+    parameters recipes/kimi-k2.5-rawint4.yaml gives from Kimi's own config, to the parameter."""
+    from ktflow.fixtures.stream import KIMI_K25, parameter_count, plan_shards
+    from ktflow.recipe import load_recipe
+
+    size = load_recipe(Path(__file__).parent.parent / "recipes" / "kimi-k2.5-rawint4.yaml").source.size
+    shards = plan_shards(KIMI_K25, vocab_size=12345, pad_id=0)  # KIMI_K25 names its own vocabulary
+    assert parameter_count(shards) == size.parameters
+    assert sum(t.parameters for shard in shards for t in shard if ".experts." in t.name) == size.expert_parameters
+    assert (KIMI_K25.layers, KIMI_K25.experts, KIMI_K25.experts_per_tok, KIMI_K25.hidden, KIMI_K25.vocab) == \
+        (size.num_layers, size.routed_experts, size.experts_per_token, size.hidden_size, size.vocab_size)
+
+
+def test_slice_is_kimi_k25_cut_to_its_layers() -> None:
+    from ktflow.fixtures.checkpoints import fixture_dims, streamed_bytes
+    from ktflow.fixtures.stream import KIMI_K25, plan_shards
+
+    dims = fixture_dims(FixtureSpec(kind="kimi-k2.5", size="slice", layers=7))
+    assert dims == KIMI_K25.model_copy(update={"layers": 7})
+    per_moe_layer = streamed_bytes(dims) - streamed_bytes(dims.model_copy(update={"layers": 6}))
+    experts = sum(t.nbytes for t in plan_shards(dims, vocab_size=640, pad_id=0)[3] if ".experts." in t.name)
+    assert 9.5e9 < experts < 9.55e9, experts  # the issue's "about 9.5 GB of packed INT4 experts a MoE layer"
+    assert experts < per_moe_layer < experts + 0.4e9  # + attention, shared expert, router
+
+
+@pytest.mark.parametrize(
+    ("dims", "option"),
+    [({"experts": 4}, "--experts 4"), ({"moe_intermediate": 256}, "--moe-intermediate 256"),
+     ({"layers": 62}, "--layers 62"), ({"kind": "kimi-k2"}, "--size slice with kimi-k2")],
+)
+def test_slice_takes_layers_only(dims: dict, option: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        FixtureSpec(**{"kind": "kimi-k2.5", "size": "slice", **dims})
+    assert str(info.value).startswith(f"{option}: ") and info.value.fix
+
+
+def test_a_model_vocabulary_pads_the_tokenizer_and_sizes_embeddings_and_config(fixture_dir, tmp_path: Path) -> None:
+    """Kimi-K2.5's 163840 rows (here 2048 at reduced widths): the config, embed_tokens, lm_head and the
+    tokenizer all have the model's vocabulary; text tokenizes as with the 640-token fixture tokenizer, and
+    every padding id decodes to text (a server samples them from a random model)."""
+    from transformers import AutoTokenizer
+
+    from ktflow.fixtures.checkpoints import streamed_bytes
+
+    dims = reduced(3, vocab=2048)
+    path = make_fixture(FixtureSpec(kind="kimi-k2.5", size="slice", layers=3), tmp_path / "m", dims=dims)
+    assert config_of(path)["text_config"]["vocab_size"] == 2048
+    headers = headers_of(path)
+    assert headers["language_model.model.embed_tokens.weight"][1] == (2048, dims.hidden)
+    assert headers["language_model.lm_head.weight"][1] == (2048, dims.hidden)
+    assert sum(p.stat().st_size for p in path.glob("*.safetensors")) >= streamed_bytes(dims)
+    padded, plain = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(fixture_dir("kimi-k2.5"))
+    assert len(padded) == 2048 and len(plain) < 700
+    chat = [{"role": "user", "content": "How do I fine-tune a mixture of experts?"},
+            {"role": "assistant", "content": "Train a LoRA adapter, nya~"}]
+    assert padded.apply_chat_template(chat, tokenize=True) == plain.apply_chat_template(chat, tokenize=True)
+    assert padded.eos_token_id == plain.eos_token_id and padded.pad_token_id == plain.pad_token_id
+    decoded = [padded.decode([i]) for i in range(len(plain), 2048, 97)]
+    assert all(decoded) and len(set(decoded)) == len(decoded)
+
+
 def test_dims_override_is_for_streamed_sizes_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="streamed sizes"):
         make_fixture(FixtureSpec(kind="kimi-k2.5"), tmp_path / "x", dims=reduced())

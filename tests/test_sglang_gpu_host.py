@@ -66,7 +66,8 @@ def test_new_backend_flags_are_owned_and_unset_by_default() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("recipe_name", "sets", "kt_method"), [
     ("tiny-sglang-bf16.yaml", [], "AMXBF16"), ("tiny-sglang-rawint4.yaml", [], "RAWINT4"),
-    ("big-sglang-rawint4.yaml", [], "RAWINT4"), ("big-sglang-rawint4.yaml", ["serving.kt_method=AMXINT8"], "AMXINT8")])
+    ("big-sglang-rawint4.yaml", [], "RAWINT4"), ("big-sglang-rawint4.yaml", ["serving.kt_method=AMXINT8"], "AMXINT8"),
+    ("slice-sglang-rawint4.yaml", [], "RAWINT4")])
 def test_serve_recipe_argv_parses_with_sglang_kt(recipe_name: str, sets: list[str], kt_method: str, sglang_kt,
                                                  fixture_dir, tmp_path: Path) -> None:
     from test_sglang_launch import fake_host, parse_with_sglang

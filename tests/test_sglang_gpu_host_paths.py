@@ -52,7 +52,8 @@ def _adapter(path: Path, *, expert_lora: bool = False) -> Path:
 
 
 @pytest.mark.parametrize(("serve_recipe", "train_recipe"), [
-    (SERVE_RECIPE, TRAIN_RECIPE), (GPU_HOST / "big-sglang-rawint4.yaml", GPU_HOST / "big-kt-rawint4.yaml")])
+    (SERVE_RECIPE, TRAIN_RECIPE), (GPU_HOST / "big-sglang-rawint4.yaml", GPU_HOST / "big-kt-rawint4.yaml"),
+    (GPU_HOST / "slice-sglang-rawint4.yaml", GPU_HOST / "slice-kt-rawint4.yaml")])
 def test_rawint4_serve_recipe_is_the_trained_recipe_plus_serving(serve_recipe: Path, train_recipe: Path) -> None:
     served, trained = (yaml.safe_load(p.read_text()) for p in (serve_recipe, train_recipe))
     serving = served.pop("serving")

@@ -276,9 +276,11 @@ def add_checkpoint_commands(add: _Add) -> None:
                    default="DeepseekV2ForCausalLM",
                    help="deepseek-v2-lite only: the model class (V3: DeepSeek-V3 routing, which kt-kernel 0.7.2 trains)")
     # choices: ktflow.fixtures.checkpoints.FIXTURE_SIZES
-    p.add_argument("--size", choices=("tiny", "bigger-than-gpu"), default="tiny",
+    p.add_argument("--size", choices=("tiny", "bigger-than-gpu", "slice"), default="tiny",
                    help="kimi-k2.5 only: bigger-than-gpu = Kimi's widths, 8 layers of 180 experts (57.1B parameters, "
-                        "114 GB in BF16, 34.4 GB on disk), streamed one layer per shard")
+                        "114 GB in BF16, 34.4 GB on disk); slice = Kimi-K2.5's first --layers layers at its true "
+                        "geometry (384 experts, vocabulary 163840; ~9.5 GB of INT4 experts a MoE layer); both "
+                        "streamed one layer per shard")
 
     p = add("inspect", cmd_inspect, "detect a checkpoint's format and validate its files")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")

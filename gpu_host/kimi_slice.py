@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Kimi-K2.5 at its true geometry, a slice of it: planned, trained and served on the GPU host, and the whole model
+predicted from it (issue "A slice of Kimi-K2.5 at its true geometry").
+
+The model is ``ktflow fixture kimi-k2.5 MODEL --size slice --layers N+1``: Kimi-K2.5's first N+1 layers as its
+config gives them (layer 0 dense, then N MoE layers of 384 routed experts of [2048, 7168], top-8, one shared
+expert, MLA, vocabulary 163840), ~9.8 GB a MoE layer on disk, made on the host. Two depths (``--moe-layers``)
+measure how KT's step scales with layers; both train into one store, so ``ktflow plan``'s per-host calibration for
+the whole 61-layer model (``whole``) comes from them. Each phase fits one 10-minute device call; run them from the
+repository root after ``bash gpu_host/run.sh setup`` (run.sh has a ``slice-*`` step for each), on one warm machine:
+
+    PY=build/gpu-host/bundle/bin/python
+    $PY gpu_host/kimi_slice.py fixture --moe-layers 3   # the model (+ the 64 multi-turn records, once)
+    $PY gpu_host/kimi_slice.py sft --moe-layers 3       # ktflow plan (kept), then ktflow sft, measured from outside
+    $PY gpu_host/kimi_slice.py fixture --moe-layers 6
+    $PY gpu_host/kimi_slice.py sft --moe-layers 6
+    $PY gpu_host/kimi_slice.py whole                    # ktflow plan of recipes/kimi-k2.5-rawint4.yaml on this host
+    $PY gpu_host/kimi_slice.py convert --moe-layers 6   # ktflow convert-lora of its adapter
+    $PY gpu_host/kimi_slice.py serve-prep --moe-layers 6
+    gpu_host/run.sh slice-serve                         # ktflow serve (sglang-kt, RAWINT4) + serve_load at 1 and 8
+
+The records are gpu_host/throughput.py chat-data's (64 multi-turn records of 127-503 tokens under the fixture's
+tokenizer), the recipe gpu_host/slice-kt-rawint4.yaml (cutoff 512, 8 records a step shaped by ktflow, 5 steps: the
+first holds the load, the second warms up). Measured as gpu_host/big.py measures (kt_vs_hf's Sampler: steady step,
+tokens/s, peak GPU memory over idle, peak RSS of the process tree, load time); ``ktflow plan``'s prediction for
+each run is made before it and saved beside it (``predicted``). Outputs: build/gpu-host/slice/moeN/results/*.json
+and build/gpu-host/slice/whole.json, packed by ``run.sh pack-slice``; copied to docs/benchmarks/kimi-slice/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import big  # noqa: E402  (gpu_host/big.py: the harness this one reuses)
+from big import BUILD, REPO, Work, free_disk_gb, model_facts, run_watched  # noqa: E402
+
+SLICE = BUILD / "slice"
+RECIPE = REPO / "gpu_host" / "slice-kt-rawint4.yaml"
+SERVE_RECIPE = REPO / "gpu_host" / "slice-sglang-rawint4.yaml"  # the same recipe + a serving section
+WHOLE_RECIPE = REPO / "recipes" / "kimi-k2.5-rawint4.yaml"
+DATA = SLICE / "data" / "chat.jsonl"
+SERVE_LEVELS = "1,8"
+# The whole model's RAM for the "as if it had the RAM" plan: Kimi-K2.5's 571 GB of INT4 experts and more.
+AMPLE_RAM = 2 * 2**40
+
+
+class SliceWork(Work):
+    """big.Work for one depth of the slice: its model, results and the shared store."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(argparse.Namespace(
+            size="full", python=args.python, ktflow_python=args.ktflow_python, set=args.set, gpus=args.gpus,
+            threads=args.threads, serve_python=args.serve_python, methods="RAWINT4", trainer="kt"))
+        self.size = "slice"
+        self.moe_layers: int = args.moe_layers
+        self.root = SLICE / f"moe{args.moe_layers}"
+        self.model, self.data, self.results = self.root / "model", DATA, self.root / "results"
+        self.recipe, self.serve_recipe = RECIPE, SERVE_RECIPE
+        self.sft_store = SLICE / ("store" + self.sft_name.removeprefix("sft"))  # one store for every depth
+        self.serve_load_args = f"--concurrency {SERVE_LEVELS}"
+        self.serve_records = 2
+
+    def published(self, store: Path) -> Path | None:
+        """The newest published adapter of this depth's model (the store holds every depth's runs)."""
+        mine = [p for p in store.glob("runs/*/adapter") if (p / "manifest.json").is_file()
+                and str(self.model) in (p.parent / "train.yaml").read_text(errors="replace")]
+        return max(mine, key=lambda p: p.stat().st_mtime) if mine else None
+
+
+def phase_fixture(work: SliceWork) -> int:
+    """The model (``ktflow fixture ... --size slice``, timed, RSS sampled) and, once, the records."""
+    work.results.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"moe_layers": work.moe_layers, "free_disk_gb_before": free_disk_gb(work.root)}
+    for partial in work.root.glob(f".{work.model.name}.partial-*"):  # what a call's time limit cut short
+        shutil.rmtree(partial, ignore_errors=True)
+    if (work.model / "config.json").is_file():
+        doc["made"] = "reused (already there)"
+    else:
+        argv = work.ktflow("fixture", "kimi-k2.5", str(work.model), "--size", "slice",
+                           "--layers", str(work.moe_layers + 1))
+        made = run_watched(argv, env=work.env(), log=work.results / "fixture.log", limit_s=big.PHASE_LIMIT_S)
+        doc["made"] = {k: made[k] for k in ("outcome", "wall_s", "peak_host_rss_gib", "error_line", "log_tail")}
+        if made["rc"] != 0:
+            work.save("fixture", doc)
+            return 1
+    if not DATA.is_file():
+        done = subprocess.run([str(work.ktflow_python), str(REPO / "gpu_host" / "throughput.py"), "chat-data",
+                               "--model", str(work.model), "--out", str(DATA)], env=work.env(), cwd=REPO,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stdout[-2000:], done.stderr[-3000:])
+            return 1
+    doc.update(model_facts(work.model), data=json.loads(DATA.with_suffix(".json").read_text()),
+               free_disk_gb_after=free_disk_gb(work.root))
+    work.save("fixture", doc)
+    return 0
+
+
+def _host_file(work: SliceWork, ram_bytes: int | None) -> Path:
+    """``ktflow doctor --json`` of this host (what ``ktflow plan --host`` reads), its RAM replaced where given."""
+    done = subprocess.run(work.ktflow("doctor", "--json"), env=work.env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    host = json.loads(done.stdout)
+    SLICE.mkdir(parents=True, exist_ok=True)
+    (SLICE / "host.json").write_text(json.dumps(host, indent=2))
+    if ram_bytes is not None:
+        host.update(ram_bytes=ram_bytes, ram_available_bytes=ram_bytes)
+    path = SLICE / ("host-ample-ram.json" if ram_bytes is not None else "host.json")
+    path.write_text(json.dumps(host, indent=2))
+    return path
+
+
+# The whole model's plans: the slice's own settings (its records counted with the slice's tokenizer, cutoff 512, a
+# shaped batch of 8: only the depth differs), the shipped recipe's (cutoff 4096, 64 records a step, every micro-batch
+# at the cutoff: no dataset here), and the seeds' guide's (cutoff 2048, 1 record x 8 micro-batches; ktransformers'
+# SFT_Installation_Guide_KimiK2.md), each on this host's GPUs as they are and its RAM as if enough.
+WHOLE_VARIANTS: dict[str, list[str]] = {
+    "as-the-slice-trains": [f"dataset.files=[{DATA}]", "sft.cutoff_len=512", "sft.per_device_train_batch_size=1",
+                            "sft.gradient_accumulation_steps=8", "sft.kt_shape_batches=true",
+                            "sft.kt_config.kt_model_max_length=512", "sft.max_steps=5"],
+    "as-the-recipe-ships": [],
+    "as-the-seeds-guide": ["sft.cutoff_len=2048", "sft.per_device_train_batch_size=1",
+                           "sft.gradient_accumulation_steps=8", "sft.kt_config.kt_model_max_length=2048"],
+}
+
+
+def whole_sets(variant: str, store: Path, gpus: int) -> list[str]:
+    """Overrides of recipes/kimi-k2.5-rawint4.yaml for a plan beside the slice's runs: the slice's store (its runs
+    calibrate the plan), the KT settings the calibration matches on (one NUMA pool, the host's cores, RAWINT4 with
+    retained activations as the slice trains), ``gpus`` GPUs, and the variant's batch and records."""
+    return [f"store.root={store}", "evaluation.enabled=false", f"sft.gpus={gpus}",
+            "sft.kt_config.kt_tp_enabled=false", "sft.kt_config.kt_threadpool_count=1",
+            "sft.disable_gradient_checkpointing=true", "sft.kt_cpu_activation=retain", *WHOLE_VARIANTS[variant]]
+
+
+def plan_whole(host_file: Path, store: Path, tokenizer_dir: Path | None) -> list[dict[str, Any]]:
+    """``ktflow plan`` (its ``plan_recipe``) of the whole Kimi-K2.5 for every variant, on 1 GPU and on every GPU
+    of ``host_file``; the slice variant's records counted with ``tokenizer_dir``'s tokenizer (the slice's: the
+    whole model's own is not here), as ``ktflow plan`` counts them with a downloaded model's."""
+    from ktflow.plan import load_host, plan_recipe
+    from ktflow.planning.batch_shape import record_lengths
+    from ktflow.recipe import load_recipe
+
+    host = load_host(host_file)
+    rows: list[dict[str, Any]] = []
+    for variant in WHOLE_VARIANTS:
+        for gpus in sorted({1, len(host.gpus) or 1}):
+            sets = whole_sets(variant, store, gpus)
+            recipe = load_recipe(WHOLE_RECIPE, sets)
+            lengths = record_lengths(recipe, tokenizer_dir) if variant == "as-the-slice-trains" else None
+            plan = plan_recipe(recipe, host, lengths=lengths)
+            stages = {s.stage: s for s in plan.stages}
+            sft, serve = stages["sft"], stages.get("serve")
+            rows.append({
+                "variant": variant, "gpus": gpus, "sets": sets, "step_s": sft.step_seconds, "seconds": sft.seconds,
+                "gpu_gib_per_gpu": round(sft.gpu_bytes / 2**30, 2), "ram_gib": round(sft.ram_bytes / 2**30, 1),
+                "time_basis": sft.time_basis, "fits": sft.fits, "problems": sft.problems,
+                "serve": None if serve is None else {"decode_tokens_per_s": serve.decode_tokens_per_s,
+                                                     "gpu_gib": round(serve.gpu_bytes / 2**30, 2),
+                                                     "ram_gib": round(serve.ram_bytes / 2**30, 1),
+                                                     "time_basis": serve.time_basis}})
+    return rows
+
+
+def phase_whole(work: SliceWork) -> int:
+    """``ktflow plan`` for the whole Kimi-K2.5 on this host (its RAM as if enough), calibrated from the slice
+    runs in the store (:func:`plan_whole`)."""
+    ample = _host_file(work, AMPLE_RAM)
+    rows = plan_whole(ample, work.sft_store, work.model if (work.model / "tokenizer.json").is_file() else None)
+    doc = {"recipe": str(WHOLE_RECIPE.relative_to(REPO)), "host": json.loads(ample.read_text()), "plans": rows}
+    (SLICE / "whole.json").write_text(json.dumps(doc, indent=2))
+    for row in rows:
+        print("whole: " + json.dumps({k: row.get(k) for k in ("variant", "gpus", "step_s", "gpu_gib_per_gpu",
+                                                                "ram_gib", "fits")}), flush=True)
+    return 0
+
+
+def phase_clean(work: SliceWork) -> int:
+    """Remove this depth's model (the disk holds two depths but not a third beside the serving bundle)."""
+    shutil.rmtree(work.model, ignore_errors=True)
+    print(f"removed {work.model}; {free_disk_gb(SLICE)} GB free")
+    return 0
+
+
+PHASES = {"fixture": phase_fixture, "sft": big.phase_sft, "convert": big.phase_convert, "whole": phase_whole,
+          "serve-prep": big.phase_serve_prep, "serve": big.phase_serve, "clean": phase_clean}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("phase", choices=PHASES)
+    parser.add_argument("--moe-layers", type=int, default=6, help="the depth: MoE layers after the dense one")
+    parser.add_argument("--python", default=str(big.default_python()), help="the training toolchain's python")
+    parser.add_argument("--ktflow-python", default=None, help="the python that runs ktflow (default: --python)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a further recipe override")
+    parser.add_argument("--gpus", type=int, default=1, help="sft: train on N GPUs (sft.gpus=N, the batch kept)")
+    parser.add_argument("--threads", type=int, default=None, help="sft: KT CPU threads (kt_config.kt_num_threads)")
+    parser.add_argument("--serve-python", default=str(BUILD / "serve" / "bin" / "python"),
+                        help="the serving toolchain's python (serve phases)")
+    args = parser.parse_args(argv)
+    return PHASES[args.phase](SliceWork(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
