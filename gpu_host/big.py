@@ -379,6 +379,8 @@ def _step_figures(result: dict[str, Any], save_steps: int) -> dict[str, Any]:
     plain, saving, plain_tokens = [], [], []
     for i in range(2, len(steps)):
         interval = times[i] - times[i - 1]
+        if interval <= 0:  # two log lines seen in one poll: no interval to measure between them
+            continue
         # the trainer saves after logging step k (k % save_steps == 0): that save sits in the next interval
         (saving if steps[i - 1] % save_steps == 0 else plain).append(interval)
         if steps[i - 1] % save_steps and tokens[i] is not None and tokens[i - 1] is not None:

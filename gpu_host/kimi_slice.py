@@ -182,6 +182,90 @@ def phase_whole(work: SliceWork) -> int:
     return 0
 
 
+# The seeds' hosts (issue "A slice of Kimi-K2.5", item 4; docs/benchmarks/kimi-slice/README.md says where each figure
+# comes from): a dual-socket Xeon Platinum 8488C (48 cores a socket, as the KT docs' --kt-cpuinfer 96 and
+# --kt-threadpool-count 2 on that machine imply; one NUMA node a socket) with RTX 4090 24 GB cards.
+SEED_GPU = {"name": "NVIDIA GeForce RTX 4090", "vram_bytes": 24564 * 2**20}
+SEED_HOSTS: dict[str, tuple[int, int]] = {  # name: (GPUs, RAM bytes)
+    "seed-train-2x4090": (2, int(1.97 * 2**40)),  # Moonshot's 44.55 tokens/s: "2x 4090 + 8488C with 1.97T RAM"
+    "seed-train-4x4090": (4, 2 * 2**40),  # KT's Kimi-K2.5 SFT tutorial: 4 x RTX 4090 24GB, >= 2 TB
+    "seed-serve-2x4090": (2, 600 * 2**30),  # KT's Kimi-K2.5 serving doc: 2 x 4090, at least 600 GB
+}
+# What each seed figure trained (KT's DeepSeek-V3 user guide: qlen 512, GAS 16, LoRA r 8, BF16 experts on AMX; KT's
+# Kimi-K2 SFT guide's YAML: cutoff 2048, 1 record x 8 micro-batches, LoRA r 8), planned with ktflow's recipes' other
+# KT settings as shipped.
+SEED_PLANS: list[tuple[str, Path, str, list[str]]] = [
+    ("kimi-k2.5 as the seeds' guide", WHOLE_RECIPE, "seed-train-2x4090",
+     ["sft.cutoff_len=2048", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=8",
+      "sft.kt_config.kt_model_max_length=2048"]),
+    ("kimi-k2.5 as the seeds' guide", WHOLE_RECIPE, "seed-train-4x4090",
+     ["sft.cutoff_len=2048", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=8",
+      "sft.kt_config.kt_model_max_length=2048"]),
+    ("deepseek-v3 as KT's user guide", REPO / "recipes" / "deepseek-v3-fp8.yaml", "seed-train-2x4090",
+     ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=16",
+      "sft.lora_rank=8", "sft.kt_config.kt_model_max_length=512", "sft.kt_config.kt_backend=AMXBF16",
+      "sft.kt_config.kt_expert_weight_format=bf16"]),
+    ("deepseek-v3 as KT's user guide", REPO / "recipes" / "deepseek-v3-fp8.yaml", "seed-train-4x4090",
+     ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=16",
+      "sft.lora_rank=8", "sft.kt_config.kt_model_max_length=512", "sft.kt_config.kt_backend=AMXBF16",
+      "sft.kt_config.kt_expert_weight_format=bf16"]),
+    ("kimi-k2.5 served", WHOLE_RECIPE, "seed-serve-2x4090", ["serving.gpus=2"]),
+]
+
+
+def seed_host(name: str, template: dict[str, Any]) -> dict[str, Any]:
+    """A seed host as ``ktflow doctor --json`` would describe it, on ``template`` (an AMX host's doctor JSON)."""
+    gpus, ram = SEED_HOSTS[name]
+    numa = [{"id": i, "cpus": list(range(48 * i, 48 * (i + 1))), "mem_total_bytes": ram // 2,
+             "mem_free_bytes": ram // 2} for i in range(2)]
+    return {**template, "hostname": name, "cpu_model": "Intel(R) Xeon(R) Platinum 8488C (2 sockets x 48 cores)",
+            "logical_cores": 192, "physical_cores": 96, "numa_nodes": 2, "numa": numa, "ram_bytes": ram,
+            "ram_available_bytes": ram, "gpus": [{"index": i, **SEED_GPU} for i in range(gpus)],
+            "disk_free_bytes": 8 * 10**12}
+
+
+def plan_seeds(template: Path, out: Path) -> list[dict[str, Any]]:
+    """ktflow's plan for each of SEED_PLANS on its seed host (no run of ours on those hosts: the shipped
+    constants, uncalibrated); the host files are written into ``out``."""
+    from ktflow.plan import load_host, plan_recipe
+    from ktflow.recipe import load_recipe
+
+    out.mkdir(parents=True, exist_ok=True)
+    base = json.loads(template.read_text())
+    rows: list[dict[str, Any]] = []
+    for what, recipe_path, host_name, sets in SEED_PLANS:
+        host_file = out / f"{host_name}.json"
+        host_file.write_text(json.dumps(seed_host(host_name, base), indent=2))
+        gpus = SEED_HOSTS[host_name][0]
+        recipe = load_recipe(recipe_path, [f"sft.gpus={gpus}", "evaluation.enabled=false", *sets])
+        plan = plan_recipe(recipe, load_host(host_file))
+        stages = {st.stage: st for st in plan.stages}
+        sft, serve = stages["sft"], stages.get("serve")
+        tokens_per_step = recipe.sft.cutoff_len * recipe.sft.per_device_train_batch_size * \
+            recipe.sft.gradient_accumulation_steps
+        rows.append({"what": what, "recipe": str(recipe_path.relative_to(REPO)), "host": host_name, "sets": sets,
+                     "gpus": gpus, "step_s": sft.step_seconds, "tokens_per_step": tokens_per_step,
+                     "tokens_per_s": round(tokens_per_step / sft.step_seconds, 2) if sft.step_seconds else None,
+                     "gpu_gib_per_gpu": round(sft.gpu_bytes / 2**30, 2), "ram_gib": round(sft.ram_bytes / 2**30, 1),
+                     "fits": sft.fits, "problems": sft.problems, "time_basis": sft.time_basis,
+                     "serve": None if serve is None else {
+                         "decode_tokens_per_s": serve.decode_tokens_per_s, "gpu_gib": round(serve.gpu_bytes / 2**30, 2),
+                         "ram_gib": round(serve.ram_bytes / 2**30, 1), "fits": serve.fits, "problems": serve.problems,
+                         "time_basis": serve.time_basis}})
+    return rows
+
+
+def phase_seeds(work: SliceWork) -> int:
+    """The seeds' hosts planned (:func:`plan_seeds`; no GPU needed): docs/benchmarks/kimi-slice/seeds.json."""
+    docs = REPO / "docs" / "benchmarks" / "kimi-slice"
+    rows = plan_seeds(docs / "host.json", docs / "hosts")
+    (docs / "seeds.json").write_text(json.dumps({"plans": rows}, indent=2))
+    for row in rows:
+        print("seeds: " + json.dumps({k: row[k] for k in ("what", "host", "step_s", "tokens_per_s", "gpu_gib_per_gpu",
+                                                            "ram_gib", "fits")}), flush=True)
+    return 0
+
+
 def phase_clean(work: SliceWork) -> int:
     """Remove this depth's model (the disk holds two depths but not a third beside the serving bundle)."""
     shutil.rmtree(work.model, ignore_errors=True)
@@ -190,7 +274,7 @@ def phase_clean(work: SliceWork) -> int:
 
 
 PHASES = {"fixture": phase_fixture, "sft": big.phase_sft, "convert": big.phase_convert, "whole": phase_whole,
-          "serve-prep": big.phase_serve_prep, "serve": big.phase_serve, "clean": phase_clean}
+          "serve-prep": big.phase_serve_prep, "serve": big.phase_serve, "clean": phase_clean, "seeds": phase_seeds}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -269,7 +269,11 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
     names a faster one when the recipe pins its own."""
     from ktflow.errors import HostRequirementError
     from ktflow.stages.sft import choose_sft_backend, sft_needs
+    from ktflow.stages.weights import trains_on_source
 
+    if not trains_on_source(recipe):  # SFT reads the BF16 copy dequantize makes, not the source as stored
+        size = size.model_copy(update={"stored_bytes": 2 * size.parameters,
+                                       "expert_stored_bytes": 2 * size.expert_parameters})
     chosen, shaped = "", ""
     if recipe.sft.backend == "auto":
         try:

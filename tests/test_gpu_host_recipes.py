@@ -80,6 +80,17 @@ def test_step_figures_leave_the_checkpoint_saves_out_of_the_plain_step() -> None
     assert figures["step_intervals_s"] == [2.0, 7.0, 2.0, 7.0, 2.0]
 
 
+def test_step_figures_skip_two_log_lines_seen_in_one_poll() -> None:
+    """The 6-MoE-layer Kimi slice's run logged two steps between two polls: no interval between them (it raised
+    ZeroDivisionError after the run, and the run's figures were lost)."""
+    from big import _step_figures
+
+    result = {"steps_logged": [1, 2, 3, 4, 5], "step_logged_at_s": [20.0, 40.0, 60.0, 78.0, 78.0],
+              "tokens_logged": [100, 200, 300, 400, 500]}
+    figures = _step_figures(result, save_steps=1000)
+    assert figures["steady_step_no_save_s"] == 19.0 and figures["tokens_per_s_no_save"] == 5.3
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not TRAIN_PYTHON.exists(), reason="training toolchain not installed (make train-env)")
 def test_big_harness_rehearsed_on_the_cpu_at_reduced_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,3 +88,25 @@ def test_cli_parses(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(kimi_slice.PHASES, argv[0], lambda w: seen.setdefault("work", w) and 0)
     assert kimi_slice.main(argv) == 0
     assert seen["work"].moe_layers == (3 if argv[0] == "sft" else 6)
+
+
+def test_seeds_json_is_what_plan_seeds_gives_now(tmp_path: Path) -> None:
+    """docs/benchmarks/kimi-slice/seeds.json is ``kimi_slice.py seeds``'s output with the constants ktflow ships:
+    rerun it after changing them (the README's seed table quotes it)."""
+    docs = REPO / "docs" / "benchmarks" / "kimi-slice"
+    rows = kimi_slice.plan_seeds(docs / "host.json", tmp_path / "hosts")
+    assert json.loads((docs / "seeds.json").read_text()) == json.loads(json.dumps({"plans": rows}))
+    for row in rows:
+        host = json.loads((tmp_path / "hosts" / f"{row['host']}.json").read_text())
+        assert host["physical_cores"] == 96 and host["numa_nodes"] == 2 and len(host["gpus"]) == row["gpus"]
+        assert row["step_s"] and row["step_s"] > 0
+    deepseek = next(r for r in rows if r["what"].startswith("deepseek"))
+    assert deepseek["tokens_per_step"] == 8192  # KT's user guide: qlen 512 x GAS 16
+    assert deepseek["ram_gib"] > 2 * 653.9e9 / 2**30  # BF16 experts, as the seeds trained them
+
+
+def test_deepseek_v3_size_block_is_its_671b() -> None:
+    from ktflow.recipe import load_recipe
+
+    size = load_recipe(REPO / "recipes" / "deepseek-v3-fp8.yaml").source.size
+    assert round(size.parameters / 1e9) == 671 and size.expert_parameters == 58 * 256 * 3 * 7168 * 2048

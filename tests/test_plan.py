@@ -417,3 +417,14 @@ def test_plan_has_a_serving_line_with_decode_for_sglang_recipes() -> None:
     serve = next(s for s in plan_recipe(recipe, host).stages if s.stage == "serve")
     assert serve.decode_tokens_per_s is not None and 0 < serve.decode_tokens_per_s < 10
     assert serve.time_basis.startswith("decode at concurrency 1:") and "(RAWINT4)" in serve.time_basis
+
+
+def test_sft_on_a_dequantized_copy_is_sized_as_its_bf16_not_as_the_source_is_stored() -> None:
+    """kimi-k2.5-bf16-int8 trains KT on the BF16 copy dequantize makes: ~2 TB of BF16 experts in RAM, not the
+    571 GB of INT4 the source stores; kimi-k2.5-rawint4 trains on the INT4 source as it is."""
+    host = _host(gpus=8, ram_gib=4096, disk_gib=8192, cores=64)
+    sft = {name: next(s for s in plan_recipe(load_recipe(REPO / "recipes" / f"{name}.yaml"), host).stages
+                      if s.stage == "sft") for name in ("kimi-k2.5-bf16-int8", "kimi-k2.5-rawint4")}
+    size = load_recipe(REPO / "recipes" / "kimi-k2.5-rawint4.yaml").source.size
+    assert sft["kimi-k2.5-bf16-int8"].ram_bytes > 2 * size.expert_parameters
+    assert size.expert_stored_bytes < sft["kimi-k2.5-rawint4"].ram_bytes < 1.3 * size.expert_stored_bytes
