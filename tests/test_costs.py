@@ -315,6 +315,19 @@ def test_the_plan_says_more_gpus_do_not_make_kt_faster(tmp_path: Path) -> None:
     assert "slower than on one" not in lines[1].time_basis
 
 
+def test_each_kt_rank_holds_the_non_expert_weights_whole_and_adds_its_rss(tmp_path: Path) -> None:
+    """The 57B model on 1 / 2 / 4 H200s (docs/benchmarks/multi-gpu) held 5,947 / 6,385 / 6,367 MiB a GPU and a
+    43.1 / 45.0 / 53.7 GiB process tree: a GPU's memory does not fall with more ranks (the micro-batch that is
+    split is small beside the weights), and each further rank adds RSS."""
+    host = _h100(gpus=8, ram_gib=1536, cores=96, numa=2)
+    kimi = REPO / "recipes/kimi-k2.5-rawint4.yaml"
+    lines = {g: _plan_sft(load_recipe(kimi, [f"store.root={tmp_path}", f"sft.gpus={g}", "sft.cutoff_len=128",
+                                             "sft.fsdp_offload_params=false"]), host) for g in (1, 2, 4)}
+    assert lines[2].gpu_bytes > lines[1].gpu_bytes and lines[4].gpu_bytes >= 0.98 * lines[2].gpu_bytes
+    assert lines[1].ram_bytes < lines[2].ram_bytes < lines[4].ram_bytes
+    assert lines[4].ram_bytes - lines[1].ram_bytes == pytest.approx(3 * 3.53 * GiB, rel=0.01)
+
+
 def test_the_plan_predicts_kts_step_from_the_tokens(tmp_path: Path) -> None:
     """Issue 28: cutoff_len 512 and 4096 used to give the same KT step."""
     host = _h100(gpus=8, ram_gib=1536, cores=96, numa=2)

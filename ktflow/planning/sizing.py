@@ -252,6 +252,13 @@ class KtMemoryModel(BaseModel):
 KT_MEMORY = KtMemoryModel()
 """The memory constants ktflow plans with."""
 
+# KT on several GPUs (sft.gpus > 1): what each rank adds. The 57B bigger-than-GPU model on 1 / 2 / 4 H200s
+# (docs/benchmarks/multi-gpu) held 5,947 / 6,385 / 6,367 MiB a GPU: the non-expert weights are not divided over the
+# ranks (each holds them whole) and a rank adds ~0.4 GiB (NCCL's buffers); the process tree's RSS grew 43.1 / 45.0 /
+# 53.7 GiB: 3.5 GiB a further rank (fitted on those three runs, the 2-GPU one 1.6 GiB over; no other run checks it).
+_KT_RANK_GPU_BYTES = 430 << 20
+_KT_RANK_RSS_BYTES = int(3.53 * GiB)
+
 
 # Said where BF16 experts are kept twice: the setting that keeps one copy, at its measured price
 # (docs/benchmarks/kt-throughput/out-of-sample: V2-Lite size, 4 x 256 tokens: RSS -40 %, step +14 %).
@@ -289,15 +296,18 @@ def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig, memory: KtMemoryMode
     non_expert = 2 * size.non_expert_parameters
     tokens = sft.cutoff_len * sft.per_device_train_batch_size
     retained = kt_retained_activation_bytes(size, tokens, memory) if sft.kt_cpu_activation == "retain" else 0
-    rss = _KT_BASE_RSS + copies * experts + one_layer + _KT_NON_EXPERT_RSS_FACTOR * non_expert + retained
     gpus = max(sft.gpus, 1)
+    ranks = _KT_RANK_RSS_BYTES * (gpus - 1)
+    rss = _KT_BASE_RSS + copies * experts + one_layer + _KT_NON_EXPERT_RSS_FACTOR * non_expert + retained + ranks
     embed = 2 * size.vocab_size * size.hidden_size
     if sft.fsdp_offload_params:
         per_layer = (size.non_expert_parameters - embed) // max(size.num_layers, 1)
         resident = 2 * (embed + 2 * per_layer)
     else:
-        resident = non_expert // gpus + memory.gpu_no_offload_extra_bytes
-    trainable = _TRAINABLE_BYTES * lora_parameters(size, target=sft.lora_target, rank=sft.lora_rank) // gpus
+        resident = non_expert + memory.gpu_no_offload_extra_bytes  # whole on every rank (measured; see above)
+    if gpus > 1:
+        resident += _KT_RANK_GPU_BYTES
+    trainable = _TRAINABLE_BYTES * lora_parameters(size, target=sft.lora_target, rank=sft.lora_rank)
     activations = _activation_bytes(size, sft, memory.gpu_layer_activation_bytes if sft.disable_gradient_checkpointing
                                     else _LAYER_ACTIVATION_BYTES)
     gpu = resident + trainable + activations + _KT_BASE_GPU
@@ -310,6 +320,7 @@ def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig, memory: KtMemoryMode
                 f"{_SECOND_COPY if copies == 2 else ''}, "
                 f"{_KT_NON_EXPERT_RSS_FACTOR * non_expert / GiB:.1f} GiB for the non-expert weights, "
                 + (f"{retained / GiB:.1f} GiB of expert activations retained for {tokens} tokens, " if retained else "")
+                + (f"{ranks / GiB:.1f} GiB for {gpus - 1} more rank(s), " if ranks else "")
                 + f"{_KT_BASE_RSS / GiB:.1f} GiB of runtime",
     )
 
