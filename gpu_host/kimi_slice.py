@@ -65,11 +65,11 @@ class SliceWork(Work):
         self.recipe, self.serve_recipe = RECIPE, SERVE_RECIPE
         self.sft_store = SLICE / ("store" + self.sft_name.removeprefix("sft"))  # one store for every depth
         self.serve_load_args = f"--concurrency {SERVE_LEVELS}"
-        self.serve_records = 2
 
     def published(self, store: Path) -> Path | None:
         """The newest published adapter of this depth's model (the store holds every depth's runs)."""
         mine = [p for p in store.glob("runs/*/adapter") if (p / "manifest.json").is_file()
+                and (p.parent / "train.yaml").is_file()
                 and str(self.model) in (p.parent / "train.yaml").read_text(errors="replace")]
         return max(mine, key=lambda p: p.stat().st_mtime) if mine else None
 
