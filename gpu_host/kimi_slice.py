@@ -122,7 +122,7 @@ def _host_file(work: SliceWork, ram_bytes: int | None) -> Path:
 # at the cutoff: no dataset here), and the seeds' guide's (cutoff 2048, 1 record x 8 micro-batches; ktransformers'
 # SFT_Installation_Guide_KimiK2.md), each on this host's GPUs as they are and its RAM as if enough.
 WHOLE_VARIANTS: dict[str, list[str]] = {
-    "as-the-slice-trains": [f"dataset.files=[{DATA}]", "sft.cutoff_len=512", "sft.per_device_train_batch_size=1",
+    "as-the-slice-trains": ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1",
                             "sft.gradient_accumulation_steps=8", "sft.kt_shape_batches=true",
                             "sft.kt_config.kt_model_max_length=512", "sft.max_steps=5"],
     "as-the-recipe-ships": [],
@@ -131,16 +131,19 @@ WHOLE_VARIANTS: dict[str, list[str]] = {
 }
 
 
-def whole_sets(variant: str, store: Path, gpus: int) -> list[str]:
+def whole_sets(variant: str, store: Path, gpus: int, data: Path = DATA) -> list[str]:
     """Overrides of recipes/kimi-k2.5-rawint4.yaml for a plan beside the slice's runs: the slice's store (its runs
     calibrate the plan), the KT settings the calibration matches on (one NUMA pool, the host's cores, RAWINT4 with
-    retained activations as the slice trains), ``gpus`` GPUs, and the variant's batch and records."""
+    retained activations as the slice trains), ``gpus`` GPUs, and the variant's batch (and, as the slice trains,
+    its records ``data``)."""
+    records = [f"dataset.files=[{data}]"] if variant == "as-the-slice-trains" else []
     return [f"store.root={store}", "evaluation.enabled=false", f"sft.gpus={gpus}",
             "sft.kt_config.kt_tp_enabled=false", "sft.kt_config.kt_threadpool_count=1",
-            "sft.disable_gradient_checkpointing=true", "sft.kt_cpu_activation=retain", *WHOLE_VARIANTS[variant]]
+            "sft.disable_gradient_checkpointing=true", "sft.kt_cpu_activation=retain", *records,
+            *WHOLE_VARIANTS[variant]]
 
 
-def plan_whole(host_file: Path, store: Path, tokenizer_dir: Path | None) -> list[dict[str, Any]]:
+def plan_whole(host_file: Path, store: Path, tokenizer_dir: Path | None, data: Path = DATA) -> list[dict[str, Any]]:
     """``ktflow plan`` (its ``plan_recipe``) of the whole Kimi-K2.5 for every variant, on 1 GPU and on every GPU
     of ``host_file``; the slice variant's records counted with ``tokenizer_dir``'s tokenizer (the slice's: the
     whole model's own is not here), as ``ktflow plan`` counts them with a downloaded model's."""
@@ -152,7 +155,7 @@ def plan_whole(host_file: Path, store: Path, tokenizer_dir: Path | None) -> list
     rows: list[dict[str, Any]] = []
     for variant in WHOLE_VARIANTS:
         for gpus in sorted({1, len(host.gpus) or 1}):
-            sets = whole_sets(variant, store, gpus)
+            sets = whole_sets(variant, store, gpus, data)
             recipe = load_recipe(WHOLE_RECIPE, sets)
             lengths = record_lengths(recipe, tokenizer_dir) if variant == "as-the-slice-trains" else None
             plan = plan_recipe(recipe, host, lengths=lengths)

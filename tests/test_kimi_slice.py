@@ -59,7 +59,11 @@ def test_whole_model_plan_is_ktflows_for_the_kimi_recipe(fixture_dir, tmp_path: 
                                            "gpus": []})
     path = tmp_path / "host.json"
     path.write_text(host.model_dump_json())
-    rows = kimi_slice.plan_whole(path, tmp_path / "store", fixture_dir("kimi-k2.5"))
+    data = tmp_path / "chat.jsonl"  # records of ~100+ tokens, as the slice's chat-data
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Question {i}: how do experts run on the CPU? " * 4},
+        {"role": "assistant", "content": f"Answer {i}: beside the GPU, nya~ " * 8}]}) + "\n" for i in range(16)))
+    rows = kimi_slice.plan_whole(path, tmp_path / "store", fixture_dir("kimi-k2.5"), data)
     assert [(r["variant"], r["gpus"]) for r in rows] == [(v, 1) for v in kimi_slice.WHOLE_VARIANTS]
     by = {r["variant"]: r for r in rows}
     for row in rows:
