@@ -103,17 +103,16 @@ def phase_fixture(work: SliceWork) -> int:
     return 0
 
 
-def _host_file(work: SliceWork, ram_bytes: int | None) -> Path:
-    """``ktflow doctor --json`` of this host (what ``ktflow plan --host`` reads), its RAM replaced where given."""
+def _host_file(work: SliceWork, ram_bytes: int) -> Path:
+    """``ktflow doctor --json`` of this host (what ``ktflow plan --host`` reads) as host.json, and beside it the
+    same host with ``ram_bytes`` of RAM (host-ample-ram.json, returned)."""
     done = subprocess.run(work.ktflow("doctor", "--json"), env=work.env(), cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     host = json.loads(done.stdout)
     SLICE.mkdir(parents=True, exist_ok=True)
     (SLICE / "host.json").write_text(json.dumps(host, indent=2))
-    if ram_bytes is not None:
-        host.update(ram_bytes=ram_bytes, ram_available_bytes=ram_bytes)
-    path = SLICE / ("host-ample-ram.json" if ram_bytes is not None else "host.json")
-    path.write_text(json.dumps(host, indent=2))
+    path = SLICE / "host-ample-ram.json"
+    path.write_text(json.dumps({**host, "ram_bytes": ram_bytes, "ram_available_bytes": ram_bytes}, indent=2))
     return path
 
 
