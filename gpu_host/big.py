@@ -122,7 +122,6 @@ class Work:
         self.recipe = RECIPES[args.trainer]
         self.serve_recipe = SERVE_RECIPE  # the KT recipe + a serving section (same run key)
         self.serve_load_args: str | None = None  # more benchmarks/serve_load.py arguments (serve phase)
-        self.serve_records = 2  # requests serve_check.py's smoke test sends before the load benchmark
 
     def published(self, store: Path) -> Path | None:
         """The newest published adapter in ``store`` (of this work's model, where a store holds several)."""
@@ -702,7 +701,7 @@ def phase_serve(work: Work) -> int:
         argv = [str(work.serve_python), str(REPO / "gpu_host" / "serve_check.py"), "run", "--via", "cli",
                 "--recipe", str(work.serve_recipe), "--model", str(work.model), "--kt-weights", str(work.model),
                 "--adapter", str(work.root / "converted"), "--records", str(work.data), "--out", str(out),
-                "--n-records", str(work.serve_records), "--load-json", str(work.results / f"serve-load-{method}.json")]
+                "--n-records", "2", "--load-json", str(work.results / f"serve-load-{method}.json")]
         if work.serve_load_args:
             argv += ["--load-args", work.serve_load_args]
         for item in serve_sets(work, method):
@@ -808,7 +807,7 @@ def main() -> int:
     if args.phase == "_data":
         return child_data(args.args[0])
     if args.phase == "_serve_prep":
-        return child_serve_prep(args.args[0], args.args[1] if len(args.args) > 1 else str(SERVE_RECIPE))
+        return child_serve_prep(args.args[0], args.args[1])
     return PHASES[args.phase](Work(args))
 
 

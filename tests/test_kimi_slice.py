@@ -89,7 +89,12 @@ def test_run_sh_has_a_step_for_each_phase() -> None:
 @pytest.mark.parametrize("argv", [["sft", "--moe-layers", "3"], ["whole"]])
 def test_cli_parses(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {}
-    monkeypatch.setitem(kimi_slice.PHASES, argv[0], lambda w: seen.setdefault("work", w) and 0)
+
+    def phase(work: kimi_slice.SliceWork) -> int:
+        seen["work"] = work
+        return 0
+
+    monkeypatch.setitem(kimi_slice.PHASES, argv[0], phase)
     assert kimi_slice.main(argv) == 0
     assert seen["work"].moe_layers == (3 if argv[0] == "sft" else 6)
 
