@@ -138,6 +138,11 @@ class _Failure:
     skip: int = 0
 
 
+class _HubHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64  # listen backlog (stdlib: 5): the hub client opens up to 8 connections at once
+
+
 class FakeHub:
     """A threaded HTTP server speaking enough of the hub's API for ``snapshot_download``.
 
@@ -175,8 +180,7 @@ class FakeHub:
         class Handler(_Handler):
             fake = hub
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _HubHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="fake-hub", daemon=True
         )

@@ -34,6 +34,7 @@ class FakeServer(ThreadingHTTPServer):
     """POST /v1/chat/completions, ``stream: true`` only: TOKENS content chunks, a usage chunk, ``[DONE]``."""
 
     daemon_threads = True
+    request_queue_size = 64  # listen backlog (stdlib: 5): a level of 16 connects at once must not overflow it
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
@@ -208,8 +209,8 @@ def test_main_end_to_end_writes_three_levels(server: FakeServer, tmp_path: Path)
                           "--max-tokens", "16", "--model-dir", str(model_dir), "--kt-method", "RAWINT4",
                           "--bandwidth-gib", "0.0625", "--bandwidth-threads", "1", "--bandwidth-repeats", "2",
                           "--server-pid", str(os.getpid()), "--label", "RAWINT4", "--json", str(out)])
-    assert rc == 0
     doc = json.loads(out.read_text())
+    assert rc == 0, [lv["error_samples"] for lv in doc["levels"]]
     assert {"label", "settings", "host", "bandwidth", "floor", "decode_vs_floor", "warmup", "levels"} <= set(doc)
     assert doc["label"] == "RAWINT4" and doc["warmup"]["requests"] == 1 and "api_key" not in doc["settings"]
     assert [lv["concurrency"] for lv in doc["levels"]] == [1, 4, 16]
