@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
 from ktflow.plan import load_host, plan_recipe, size_from_facts
 from ktflow.planning.costs import hf_step_seconds, kt_step_seconds
-from ktflow.planning.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory
+from ktflow.planning.sizing import ModelSize, estimate_hf_sft_gpu_memory, estimate_kt_sft_memory, model_size
 from ktflow.recipe import ModelFacts, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -428,3 +429,67 @@ def test_sft_on_a_dequantized_copy_is_sized_as_its_bf16_not_as_the_source_is_sto
     size = load_recipe(REPO / "recipes" / "kimi-k2.5-rawint4.yaml").source.size
     assert sft["kimi-k2.5-bf16-int8"].ram_bytes > 2 * size.expert_parameters
     assert size.expert_stored_bytes < sft["kimi-k2.5-rawint4"].ram_bytes < 1.3 * size.expert_stored_bytes
+
+
+def test_kv_cache_geometry_matches_the_pool_sglang_kt_allocated_for_the_served_slice() -> None:
+    """The served Kimi-K2.5 slice (depth 3: 4 layers of MLA) logged its KV pool's tokens and size; the bytes a
+    token that ktflow computes from the slice's config must give that size."""
+    from ktflow.fixtures.stream import KIMI_K25, deepseek_v3_config
+    from ktflow.planning.sizing import kv_cache_geometry
+
+    log = (REPO / "docs/benchmarks/kimi-slice/moe3/results/serve-RAWINT4/server.log.tail").read_text()
+    match = re.search(r"KV Cache is allocated\. #tokens: (\d+), KV size: ([\d.]+) GB", log)
+    assert match, "the served slice's log no longer has sglang's KV pool line"
+    config = deepseek_v3_config(KIMI_K25.model_copy(update={"layers": 4}), vocab_size=163840, eos_id=0, pad_id=0)
+    per_token, latent = kv_cache_geometry(config.to_dict())
+    assert latent and per_token == 4 * (512 + 64) * 2
+    assert int(match.group(1)) * per_token / GiB == pytest.approx(float(match.group(2)), abs=0.005)
+    # per-head keys and values (Qwen3-30B-A3B: 48 layers, 4 KV heads of 128): split over the ranks
+    assert kv_cache_geometry({"num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                              "head_dim": 128, "hidden_size": 2048}) == (48 * 2 * 4 * 128 * 2, False)
+    assert kv_cache_geometry({"hidden_size": 64}) == (0, False)  # not enough said: unknown
+
+
+def test_a_checkpoints_kv_geometry_is_read_from_its_config(fixture_dir) -> None:
+    import json as _json
+
+    path = fixture_dir("kimi-k2.5")
+    config = _json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)
+    size = model_size(path)
+    assert size.kv_latent
+    assert size.kv_bytes_per_token == config["num_hidden_layers"] * (
+        config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+
+
+def test_the_serving_gpu_line_counts_the_kv_pool_that_max_total_tokens_bounds() -> None:
+    host = _host(gpus=4, ram_gib=2048, disk_gib=4096, cores=64)
+
+    def serve(*overrides: str):
+        recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.kt_cpuinfer=64", *overrides])
+        return recipe, next(s for s in plan_recipe(recipe, host).stages if s.stage == "serve")
+
+    recipe, unbounded = serve()
+    size = recipe.source.size
+    assert size.kv_bytes_per_token == 70272 and size.kv_latent
+    weights = 2 * (size.parameters - size.expert_parameters) // 4
+    assert unbounded.gpu_bytes == weights
+    _, bounded = serve("serving.max_total_tokens=65536")
+    assert bounded.gpu_bytes == weights + 65536 * 70272  # an MLA latent: whole on each of the 4 ranks
+    _, too_big = serve("serving.max_total_tokens=2000000")  # 140 GB of pool a GPU: does not fit an 80 GB card
+    assert any("GPU" in p for p in too_big.problems), too_big.problems
+
+
+def test_the_serve_preflight_says_the_kv_pool_is_unbounded_until_max_total_tokens_is_set() -> None:
+    from ktflow.stages.serve import ServeSizes, serve_needs
+
+    recipe = load_recipe(REPO / "recipes/qwen3-30b-a3b-bf16.yaml")
+    size = ModelSize(path="q", parameters=30_000_000_000, expert_parameters=28_000_000_000, hidden_size=2048,
+                     num_layers=48, vocab_size=151936, linear_shapes={}, kv_bytes_per_token=98304)
+    unbounded = serve_needs(recipe, ServeSizes(model=size)).gpu
+    assert unbounded is not None and "serving.max_total_tokens" in unbounded.why
+    recipe.serving.gpus = 2
+    recipe.serving.max_total_tokens = 10_000
+    bounded = serve_needs(recipe, ServeSizes(model=size)).gpu
+    assert bounded is not None and "KV pool of 10,000 tokens" in bounded.why
+    assert bounded.bytes == 2 * 2_000_000_000 // 2 + 10_000 * 98304 // 2  # per-head KV: split over the 2 ranks

@@ -394,3 +394,12 @@ def test_kt_backend_on_a_deepseek_v2_hub_model_is_refused_before_any_download() 
                     ["sft.backend=kt", "sft.kt_optimize_rule=null", "sft.cpu_infer=null", "sft.chunk_size=null",
                      "sft.kt_config={kt_backend: AMXBF16}"])
     assert "cannot train deepseek-ai/DeepSeek-V2-Lite-Chat" in str(info.value) and "kt-legacy" in str(info.value)
+
+
+def test_max_total_tokens_must_hold_one_full_context_and_is_sglang_only() -> None:
+    with pytest.raises(RecipeError, match=r"max_total_tokens.*1024 tokens of KV pool.*context_length 2048"):
+        load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml", ["serving.max_total_tokens=1024"])
+    assert load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml",
+                       ["serving.max_total_tokens=8192"]).serving.max_total_tokens == 8192
+    with pytest.raises(RecipeError, match=r"backend 'llamafactory' does not take max_total_tokens"):
+        load_recipe(RECIPES / "tiny-demo.yaml", ["serving.max_total_tokens=8192"])

@@ -270,6 +270,7 @@ def test_kt_lora_rules_are_checked_on_the_recipe_object_too(weights, adapter: Pa
     (["--lora-paths", "other=/x"], "--lora-paths"),
     (["--kt-gpu-experts-ratio", "0.1"], "--kt-gpu-experts-ratio"),
     (["--config", "/tmp/x.yaml"], "--config"),
+    (["--max-total-tokens", "8192"], "--max-total-tokens"),
     (["-h"], "-h"),
 ])
 def test_extra_args_may_not_set_owned_flags(weights, adapter: Path, extra: list[str], owned: str) -> None:
@@ -384,12 +385,17 @@ def parsed(sglang_kt, fixture_dir, tmp_path_factory) -> dict:
                                               serve_python=SERVE_PYTHON, host=fake_host())
         expected[name] = (r, model_dir, kt_dir, adapter_dir)
     base = launches["kimi-k2.5-rawint4.yaml"].launch_args
+    bounded = render_sglang_launch(recipe("kimi-k2.5-rawint4.yaml", "serving.max_total_tokens=65536"),
+                                   model_dir=fixture_dir("kimi-k2.5"), kt_weight_dir=fixture_dir("kimi-k2.5"),
+                                   adapter_dir=adapter_dir, serve_python=SERVE_PYTHON, host=fake_host()).launch_args
     argvs = [launches[n].launch_args for n in SGLANG_RECIPES]
     argvs.append(base + ["--kt-no-such-flag", "1"])  # must fail: proves the check can fail
     argvs.append(base + ["--kt-thread", "4"])  # argparse abbreviations: why extra_args are checked
+    argvs.append(bounded)
     out = parse_with_sglang(argvs)
     return {"launches": launches, "expected": expected, "results": dict(zip(SGLANG_RECIPES, out["results"])),
-            "unknown": out["results"][-2], "abbrev": out["results"][-1], "options": out["options"]}
+            "unknown": out["results"][-3], "abbrev": out["results"][-2], "bounded": out["results"][-1],
+            "options": out["options"]}
 
 
 @pytest.mark.slow
@@ -418,6 +424,7 @@ def test_shipped_recipe_parses_with_sglang_kt(parsed: dict, name: str) -> None:
     assert ns["context_length"] == s.context_length
     assert ns["chunked_prefill_size"] == s.chunked_prefill_size
     assert ns["mem_fraction_static"] == s.mem_fraction_static
+    assert ns["max_total_tokens"] == s.max_total_tokens
     assert ns["disable_cuda_graph"] is s.disable_cuda_graph
     assert ns["disable_radix_cache"] is s.disable_radix_cache
     if s.attention_backend is not None:
@@ -427,6 +434,12 @@ def test_shipped_recipe_parses_with_sglang_kt(parsed: dict, name: str) -> None:
     assert ns["kt_expert_lora_path"] is None and ns["kt_lora_path"] is None
     assert ns["api_key"] is None  # not in argv: the launcher adds it inside the server process
     assert parsed["launches"][name].int8_threadpool_count == (2 if s.kt_method == "AMXINT8" else None)
+
+
+@pytest.mark.slow
+def test_max_total_tokens_reaches_sglang_kt(parsed: dict) -> None:
+    assert parsed["bounded"]["ok"], parsed["bounded"]
+    assert parsed["bounded"]["ns"]["max_total_tokens"] == 65536
 
 
 @pytest.mark.slow

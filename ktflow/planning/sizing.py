@@ -63,6 +63,8 @@ class ModelSize(BaseModel):
     moe_layers: int = 0  # layers with routed experts
     routed_experts: int = 0  # per MoE layer (config: n_routed_experts / num_experts)
     experts_per_token: int = 0  # config: num_experts_per_tok
+    kv_bytes_per_token: int = 0  # one token's BF16 KV cache over every layer (0: unknown); see kv_cache_geometry
+    kv_latent: bool = False  # MLA: the cache is a latent each tensor-parallel rank keeps whole, not split by heads
 
     @property
     def expert_parameters_per_layer(self) -> int:
@@ -104,6 +106,21 @@ def _parameters_of(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -
     if name.endswith(_QUANT_METADATA):
         return 0
     return math.prod(shape)
+
+
+def kv_cache_geometry(config: dict) -> tuple[int, bool]:
+    """``(bytes, latent)``: one token's KV cache in BF16 over every layer of a text config, and whether it is
+    an MLA latent (``kv_lora_rank``: the compressed KV plus the shared RoPE key, which every tensor-parallel
+    rank keeps whole) rather than per-head keys and values (split over the ranks by KV head).
+    ``(0, False)`` where the config does not say enough.
+    """
+    layers = int(config.get("num_hidden_layers") or 0)
+    if config.get("kv_lora_rank"):
+        return layers * (int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)) * 2, True
+    heads = int(config.get("num_attention_heads") or 0)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads if heads else 0))
+    return layers * 2 * kv_heads * head_dim * 2, False
 
 
 def model_size(path: str | Path) -> ModelSize:
@@ -157,6 +174,7 @@ def _size_of(path: str, config: dict, tensors: Iterable[tuple[str, str, tuple[in
         if len(shape) == 2 and name.endswith((".weight", ".weight_packed")) and not _NOT_LORA.search(name):
             cols = nbytes // shape[0] * 2 if name.endswith(".weight_packed") else shape[1]
             linear[name.rsplit(".", 1)[0]] = (shape[0], cols)
+    kv_bytes, kv_latent = kv_cache_geometry(config)
     return ModelSize(
         path=path, parameters=parameters, hidden_size=int(config.get("hidden_size") or 0),
         num_layers=int(config.get("num_hidden_layers") or 0), vocab_size=int(config.get("vocab_size") or 0),
@@ -165,6 +183,7 @@ def _size_of(path: str, config: dict, tensors: Iterable[tuple[str, str, tuple[in
         routed_experts=int(config.get("n_routed_experts") or config.get("num_experts") or
                            config.get("num_local_experts") or 0),
         experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        kv_bytes_per_token=kv_bytes, kv_latent=kv_latent,
     )
 
 

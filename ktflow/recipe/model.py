@@ -28,6 +28,13 @@ class ModelFacts(_Strict):
     vocab_size: int = Field(gt=0, description="config.json: vocab_size")
     routed_experts: int = Field(ge=0, description="config.json: n_routed_experts (num_experts)")
     experts_per_token: int = Field(ge=0, description="config.json: num_experts_per_tok")
+    kv_bytes_per_token: int = Field(
+        0, ge=0, description="One token's KV cache in BF16 over every layer: MLA (kv_lora_rank + qk_rope_head_dim) "
+        "x 2 B x layers; else 2 x num_key_value_heads x head_dim x 2 B x layers. 0: unknown (the serving plan then "
+        "leaves the KV pool out)",
+    )
+    kv_latent: bool = Field(False, description="MLA (config.json has kv_lora_rank): every tensor-parallel rank keeps "
+                            "the whole cache, where per-head keys and values split over the ranks")
 
 
 class SourceConfig(_Strict):

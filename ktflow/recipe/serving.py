@@ -55,6 +55,11 @@ class ServingConfig(_Strict):
     context_length: int | None = Field(None, gt=0)
     chunked_prefill_size: int | None = Field(None, gt=0)
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    max_total_tokens: int | None = Field(
+        None, gt=0, description="--max-total-tokens (sglang): the KV pool's size in tokens. Unset, sglang-kt gives the "
+        "pool what the GPU has left (106 GB of a 141 GB H200 at mem_fraction_static 0.3, measured); set, the pool is "
+        "this many tokens and `ktflow plan` counts it in the serving GPU line",
+    )
     attention_backend: str | None = None
     sampling_backend: Literal["flashinfer", "pytorch"] | None = Field(
         None, description="--sampling-backend (sglang); unset: SGLang's default (flashinfer on CUDA). 'pytorch' "
@@ -85,7 +90,7 @@ class ServingConfig(_Strict):
     @model_validator(mode="after")
     def _backend_rules(self) -> ServingConfig:
         kt_fields = [
-            k for k in ("kt_method", "kt_cpuinfer", "kt_gpu_prefill_token_threshold")
+            k for k in ("kt_method", "kt_cpuinfer", "kt_gpu_prefill_token_threshold", "max_total_tokens")
             if getattr(self, k) is not None
         ]
         if self.backend == "llamafactory":
@@ -118,6 +123,13 @@ class ServingConfig(_Strict):
         if self.max_running_requests < 2:
             raise ValueError(
                 f"@max_running_requests: must be >= 2 for KT LoRA serving (got {self.max_running_requests})"
+            )
+        if self.max_total_tokens is not None and self.context_length is not None \
+                and self.max_total_tokens < self.context_length:
+            raise ValueError(
+                f"@max_total_tokens: {self.max_total_tokens} tokens of KV pool cannot hold one request of "
+                f"context_length {self.context_length}; set it to at least context_length x max_running_requests "
+                f"({self.context_length * self.max_running_requests}) or leave it unset"
             )
         for flag in self.extra_args:
             if flag.split("=", 1)[0] in ("--pp-size", "--pipeline-parallel-size", "--host"):

@@ -100,6 +100,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--context-length": "set serving.context_length",
     "--chunked-prefill-size": "set serving.chunked_prefill_size",
     "--mem-fraction-static": "set serving.mem_fraction_static",
+    "--max-total-tokens": "set serving.max_total_tokens (ktflow plan counts the KV pool from it)",
     "--attention-backend": "set serving.attention_backend",
     "--sampling-backend": "set serving.sampling_backend",
     "--grammar-backend": "set serving.grammar_backend",
@@ -265,6 +266,7 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
     for flag, value in (("--context-length", serving.context_length),
                         ("--chunked-prefill-size", serving.chunked_prefill_size),
                         ("--mem-fraction-static", serving.mem_fraction_static),
+                        ("--max-total-tokens", serving.max_total_tokens),
                         ("--attention-backend", serving.attention_backend),
                         ("--sampling-backend", serving.sampling_backend),
                         ("--grammar-backend", serving.grammar_backend)):

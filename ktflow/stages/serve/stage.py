@@ -105,7 +105,9 @@ def measure_serve(model_dir: Path, kt_weight_dir: Path | None = None) -> ServeSi
 def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
     """What serving ``recipe`` needs of its host: the CPU experts in RAM and the rest on the GPUs
     (sglang-kt), or the whole model in RAM (LlamaFactory's CPU API); both in BF16 where not quantized.
-    The KV cache comes on top (sglang sizes it from ``mem_fraction_static``), so these are lower bounds.
+    sglang's KV pool is counted where ``serving.max_total_tokens`` bounds it and the model's KV geometry is
+    known (:func:`kv_pool_bytes`); otherwise it comes on top (sglang gives it what the GPU has left) and the
+    GPU figure is a lower bound, said so in its ``why``.
     """
     serving = recipe.serving
     requirement = host_requirements(recipe)["serve"]
@@ -113,14 +115,34 @@ def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
         return Resources(host=requirement, ram=RamNeed(
             bytes=2 * sizes.model.parameters, what="serve", why="the model in BF16 with the adapter merged"))
     gpus = max(serving.gpus, 1)
+    pool = kv_pool_bytes(recipe, sizes.model)
+    if pool is None:
+        kv_why = ("the KV pool comes on top (sglang gives it the GPU memory left: set serving.max_total_tokens to "
+                  "bound it and count it here)")
+        pool = 0
+    else:
+        kv_why = (f"and a KV pool of {serving.max_total_tokens:,} tokens x {sizes.model.kv_bytes_per_token:,} B "
+                  f"({'an MLA latent, whole on each rank' if sizes.model.kv_latent else 'split over the ranks'})")
     return Resources(
         host=requirement,
         ram=RamNeed(bytes=sizes.kt_weight_bytes, what="serve", why=f"the CPU experts as {serving.kt_method}",
                     of="installed", numa_pools=serving.kt_threadpool_count),
-        gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus, gpus=gpus, field="serving.gpus",
+        gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus + pool, gpus=gpus, field="serving.gpus",
                     what="sglang-kt", why="the non-expert weights in BF16, split over the tensor-parallel ranks; "
-                                          "the KV cache comes on top"),
+                                          + kv_why),
     )
+
+
+def kv_pool_bytes(recipe: Recipe, model: ModelSize) -> int | None:
+    """One GPU's share of sglang's KV pool when ``serving.max_total_tokens`` bounds it (None: unbounded, or the
+    model's KV geometry unknown). An MLA latent is held whole on every tensor-parallel rank; per-head keys and
+    values are split over the ranks by KV head.
+    """
+    tokens = recipe.serving.max_total_tokens
+    if tokens is None or not model.kv_bytes_per_token:
+        return None
+    total = tokens * model.kv_bytes_per_token
+    return total if model.kv_latent else total // max(recipe.serving.gpus, 1)
 
 
 # How many servers judging a candidate starts beside production, per mode (the evaluation asks the base model
@@ -161,7 +183,7 @@ def candidate_needs(recipe: Recipe, sizes: ServeSizes, mode: str) -> Resources:
     ram = one.ram.model_copy(update={"bytes": servers * one.ram.bytes, "what": what,
                                      "why": f"{each}{one.ram.why}"}) if one.ram else None
     gpu = one.gpu.model_copy(update={"bytes": servers * one.gpu.bytes, "what": what,
-                                     "why": f"{each}its non-expert weights in BF16; the KV caches come on top"}
+                                     "why": f"{each}{one.gpu.why}"}
                              ) if one.gpu else None
     return Resources(ram=ram, gpu=gpu)
 
