@@ -293,7 +293,8 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
     tokens = tokens_per_micro_batch(sft, lengths)
     if sft.backend == "kt":
         threads = kt_threads(sft, host.physical_cores)
-        host_costs, speed = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs)
+        host_costs, speed = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs,
+                                             machine=host.machine)
         estimate = kt_step_estimate(size, sft, threads, host_costs, tokens)
         step = estimate.step_s
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb

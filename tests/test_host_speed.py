@@ -140,6 +140,25 @@ def test_only_runs_of_this_host_and_these_kt_settings_count(tmp_path: Path) -> N
     assert host_records(recipe, "node-c", 16) == []
 
 
+def test_two_machines_sharing_a_hostname_do_not_calibrate_each_other(tmp_path: Path) -> None:
+    """Every GPU host lent so far, and the CI box, are named "vm": the hostname alone would pool a 16-core
+    H100 host's runs with a 32-core H200 host's at the same thread count."""
+    recipe = _big(tmp_path)
+    h100 = _h100().model_copy(update={"hostname": "vm"})
+    h200 = h100.model_copy(update={"physical_cores": 32, "logical_cores": 64, "ram_bytes": 256 << 30})
+    assert h100.machine != h200.machine and "16 cores" in h100.machine
+    _publish(tmp_path, "on-h100", _record(0.60, 1024, host="vm", machine=h100.machine))
+    _publish(tmp_path, "on-h200", _record(1.20, 1024, host="vm", machine=h200.machine), created="2026-01-02")
+    _publish(tmp_path, "before-machines", _record(0.90, 1024, host="vm"), created="2026-01-03")  # no machine: kept
+    assert {name for _, name, _ in host_records(recipe, "vm", 16, h100.machine)} == {"on-h100", "before-machines"}
+    assert sorted(pick_calibration(host_records(recipe, "vm", 16, h200.machine), 1024).ratios) == [0.9, 1.2]
+    # the record a run writes carries its machine
+    size = kt_step_model.model_sizes()[1]
+    record = kt_step_record(_big(tmp_path).sft, "vm", 16, size, _log(10, seconds_a_step=30, tokens_a_step=4096),
+                            h200.machine)
+    assert record is not None and record.machine == h200.machine
+
+
 def test_the_plan_on_a_host_that_ran_kt_is_scaled_by_what_it_measured(tmp_path: Path) -> None:
     host = _h100().model_copy(update={"hostname": "node-a"})
     recipe = _big(tmp_path, "sft.per_device_train_batch_size=4", "sft.gradient_accumulation_steps=1",

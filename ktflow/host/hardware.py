@@ -96,6 +96,14 @@ class HostInfo(BaseModel):
         native = self.native_cpu_variant or self.cpu_variant
         return native if variant_at_least(self.cpu_variant, native) else self.cpu_variant
 
+    @property
+    def machine(self) -> str:
+        """What a KT run's speed depends on of this machine: CPU model, physical cores, NUMA nodes, RAM. With the
+        hostname it keys the host's calibration runs (planning.host_speed): machines made from one image often share
+        a hostname (every GPU host lent so far, and this project's CI box, are "vm")."""
+        return (f"{self.cpu_model}, {self.physical_cores} cores, {self.numa_nodes} NUMA node(s), "
+                f"{round(self.ram_bytes / (1 << 30))} GiB")
+
     def describe_cpu(self) -> str:
         """``AMD EPYC, kt-kernel variant avx2``, with an override and the CPU's own variant if they differ."""
         text = f"{self.cpu_model}, kt-kernel variant {self.runnable_variant}"

@@ -176,7 +176,8 @@ def _shape(recipe: Recipe, size: ModelSize, host: HostInfo, threads: int, length
     sft = recipe.sft
     tokens = tokens_per_micro_batch(sft, lengths)
     # each split at this host's own speed near its tokens, where the host has KT runs (host_speed)
-    host_costs, _ = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs, records)
+    host_costs, _ = calibrated_costs(recipe, host.hostname, threads, tokens, size.expert_stored_bytes, costs, records,
+                                    machine=host.machine)
     estimate = kt_step_estimate(size, sft, threads, host_costs, tokens)
     records = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
     real = (lengths.mean if lengths is not None else sft.cutoff_len) * records
@@ -204,7 +205,7 @@ def shape_kt_batches(recipe: Recipe, size: ModelSize, host: HostInfo, lengths: R
     threads = kt_threads(sft, host.physical_cores)
     effective = sft.per_device_train_batch_size * sft.gradient_accumulation_steps
     share = sft.gpu_split().share  # each GPU's records a step: every candidate micro-batch divides it
-    records = host_records(recipe, host.hostname, threads)  # the splits share the host, format and threads
+    records = host_records(recipe, host.hostname, threads, host.machine)  # the splits share the host, format and threads
     written = _shape(recipe, size, host, threads, lengths, costs, records)
     candidates = []
     for batch in range(1, share + 1):

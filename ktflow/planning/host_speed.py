@@ -63,6 +63,7 @@ class KtStepRecord(BaseModel):
     """One finished KT SFT run's steady step, measured and as the shipped model predicts it."""
 
     host: str  # the hostname the run trained on
+    machine: str = ""  # HostInfo.machine of that host ("": recorded before ktflow kept it; matched on hostname alone)
     expert_format: str
     threads: int
     pools: int
@@ -77,8 +78,9 @@ class KtStepRecord(BaseModel):
     def ratio(self) -> float:
         return self.measured_step_s / self.predicted_step_s
 
-    def matches(self, host: str, sft: SftConfig, threads: int) -> bool:
-        return (self.host, self.expert_format, self.threads, self.pools, self.model) == (
+    def matches(self, host: str, sft: SftConfig, threads: int, machine: str = "") -> bool:
+        same_machine = not self.machine or not machine or self.machine == machine
+        return same_machine and (self.host, self.expert_format, self.threads, self.pools, self.model) == (
             host, kt_expert_format(sft), threads, kt_pools(sft), model_digest())
 
 
@@ -132,7 +134,7 @@ def steady_step(records: Iterable[dict]) -> tuple[float, int, float | None] | No
 
 
 def kt_step_record(sft: SftConfig, host: str, threads: int, size: ModelSize,
-                   records: Iterable[dict]) -> KtStepRecord | None:
+                   records: Iterable[dict], machine: str = "") -> KtStepRecord | None:
     """A finished KT run's record: its steady step (:func:`steady_step` over its trainer log ``records``)
     and the shipped model's prediction for it at the tokens the trainer counted. None when the log spans
     too little to measure, or counts no tokens (a prediction at the ``cutoff_len`` bound would make the
@@ -145,7 +147,8 @@ def kt_step_record(sft: SftConfig, host: str, threads: int, size: ModelSize,
     predicted = kt_step_estimate(size, sft, threads, COSTS, tokens).step_s
     if predicted <= 0:
         return None
-    return KtStepRecord(host=host, expert_format=kt_expert_format(sft), threads=threads, pools=kt_pools(sft),
+    return KtStepRecord(host=host, machine=machine, expert_format=kt_expert_format(sft), threads=threads,
+                        pools=kt_pools(sft),
                         measured_step_s=round(step_s, 3), predicted_step_s=round(predicted, 3), steps=steps,
                         tokens_per_micro_batch=tokens, expert_bytes=size.expert_stored_bytes, model=model_digest())
 
@@ -171,10 +174,11 @@ def pick_calibration(records: list[tuple[str, str, KtStepRecord]], tokens: float
     return HostSpeed(factor=statistics.median(ratios), runs=[name for _, name, _ in chosen], ratios=ratios)
 
 
-def host_records(recipe: Recipe, host: str, threads: int) -> list[tuple[str, str, KtStepRecord]]:
+def host_records(recipe: Recipe, host: str, threads: int, machine: str = "") -> list[tuple[str, str, KtStepRecord]]:
     """Every ``(created_at, run name, record)`` in ``recipe``'s store (``<store>/runs/*/adapter``) of a KT run
-    on ``host`` with ``recipe``'s expert format and pools, ``threads`` and these fitted constants: what
-    :func:`pick_calibration` chooses from. Empty unless the recipe trains with KT."""
+    on ``host`` (the hostname, and ``machine`` where both it and the record say one) with ``recipe``'s expert
+    format and pools, ``threads`` and these fitted constants: what :func:`pick_calibration` chooses from. Empty
+    unless the recipe trains with KT."""
     if recipe.sft.backend != "kt":
         return []
     found: list[tuple[str, str, KtStepRecord]] = []
@@ -185,17 +189,17 @@ def host_records(recipe: Recipe, host: str, threads: int) -> list[tuple[str, str
             record = KtStepRecord.model_validate(raw) if raw else None
         except (OSError, ValueError):
             continue  # a manifest of another engine version, or being replaced: not evidence
-        if manifest.stage == "sft" and record is not None and record.matches(host, recipe.sft, threads):
+        if manifest.stage == "sft" and record is not None and record.matches(host, recipe.sft, threads, machine):
             found.append((manifest.created_at, manifest_path.parent.parent.name, record))
     return found
 
 
 def calibrated_costs(recipe: Recipe, host: str, threads: int, tokens: float, expert_bytes: int = 0,
-                     costs: CostModel = COSTS, records: list[tuple[str, str, KtStepRecord]] | None = None
-                     ) -> tuple[CostModel, HostSpeed | None]:
+                     costs: CostModel = COSTS, records: list[tuple[str, str, KtStepRecord]] | None = None,
+                     machine: str = "") -> tuple[CostModel, HostSpeed | None]:
     """``costs`` with KT's step scaled to what this host measured for ``recipe``'s KT settings near
     ``tokens`` a micro-batch and ``expert_bytes``, and the evidence; ``costs`` with no host factor without
     any. ``records``: :func:`host_records` already read (one read for many predictions of one recipe)."""
-    speed = pick_calibration(host_records(recipe, host, threads) if records is None else records, tokens,
+    speed = pick_calibration(host_records(recipe, host, threads, machine) if records is None else records, tokens,
                              expert_bytes)
     return costs.model_copy(update={"kt_host_factor": speed.factor if speed else 1.0}), speed

@@ -106,7 +106,8 @@ def choose_sft_backend(recipe: Recipe, size: ModelSize, host: HostInfo,
         kt_recipe = shape.recipe
         tokens = tokens_per_micro_batch(kt_recipe.sft, lengths)
         # at this host's own speed, where it has KT runs (host_speed): as the plan and the shaper predict it
-        host_costs, _ = calibrated_costs(kt_recipe, host.hostname, threads, tokens, size.expert_stored_bytes)
+        host_costs, _ = calibrated_costs(kt_recipe, host.hostname, threads, tokens, size.expert_stored_bytes,
+                                        machine=host.machine)
         t_kt = kt_step_seconds(size, kt_recipe.sft, threads, host_costs, tokens_per_micro_batch=tokens)
     hf_tokens = None if lengths is None else round(
         tokens_per_micro_batch(hf_recipe.sft, lengths) * hf_recipe.sft.gradient_accumulation_steps)

@@ -316,7 +316,7 @@ def _kt_step_record(job: _Job, records: list[dict[str, Any]]) -> dict[str, Any] 
         size = measure_sft(job.model_dir)
     except KtflowError:  # measured before training; a record is evidence for later plans, never worth the run
         return None
-    record = kt_step_record(sft, host.hostname, kt_threads(sft, host.physical_cores), size, records)
+    record = kt_step_record(sft, host.hostname, kt_threads(sft, host.physical_cores), size, records, host.machine)
     return record.model_dump(mode="json") if record is not None else None
 
 
