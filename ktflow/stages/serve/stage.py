@@ -116,20 +116,21 @@ def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
             bytes=2 * sizes.model.parameters, what="serve", why="the model in BF16 with the adapter merged"))
     gpus = max(serving.gpus, 1)
     pool = kv_pool_bytes(recipe, sizes.model)
-    if pool is None:
-        kv_why = ("the KV pool comes on top (sglang gives it the GPU memory left: set serving.max_total_tokens to "
-                  "bound it and count it here)")
-        pool = 0
-    else:
-        kv_why = (f"and a KV pool of {serving.max_total_tokens:,} tokens x {sizes.model.kv_bytes_per_token:,} B "
+    weights_why = "the non-expert weights in BF16, split over the tensor-parallel ranks"
+    if pool is not None:
+        kv_why = (f", and a KV pool of {serving.max_total_tokens:,} tokens x {sizes.model.kv_bytes_per_token:,} B "
                   f"({'an MLA latent, whole on each rank' if sizes.model.kv_latent else 'split over the ranks'})")
+    elif serving.max_total_tokens is not None:
+        kv_why = f"; the KV pool of {serving.max_total_tokens:,} tokens comes on top (the model's KV size is unknown)"
+    else:
+        kv_why = ("; the KV pool comes on top (sglang gives it the GPU memory left: set serving.max_total_tokens to "
+                  "bound it and count it here)")
     return Resources(
         host=requirement,
         ram=RamNeed(bytes=sizes.kt_weight_bytes, what="serve", why=f"the CPU experts as {serving.kt_method}",
                     of="installed", numa_pools=serving.kt_threadpool_count),
-        gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus + pool, gpus=gpus, field="serving.gpus",
-                    what="sglang-kt", why="the non-expert weights in BF16, split over the tensor-parallel ranks; "
-                                          + kv_why),
+        gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus + (pool or 0), gpus=gpus,
+                    field="serving.gpus", what="sglang-kt", why=weights_why + kv_why),
     )
 
 
