@@ -171,11 +171,20 @@ def plan_whole(host_file: Path, store: Path, tokenizer_dir: Path | None, data: P
     return rows
 
 
+def slice_tokenizer(preferred: Path, slices: Path = SLICE) -> Path | None:
+    """A slice model's folder with its tokenizer: ``preferred``, else any depth's still on disk (every depth's
+    tokenizer is the same one), else None (records are then counted at ~4 bytes a token)."""
+    for model in (preferred, *sorted(slices.glob("moe*/model"))):
+        if (model / "tokenizer.json").is_file():
+            return model
+    return None
+
+
 def phase_whole(work: SliceWork) -> int:
     """``ktflow plan`` for the whole Kimi-K2.5 on this host (its RAM as if enough), calibrated from the slice
     runs in the store (:func:`plan_whole`)."""
     ample = _host_file(work, AMPLE_RAM)
-    rows = plan_whole(ample, work.sft_store, work.model if (work.model / "tokenizer.json").is_file() else None)
+    rows = plan_whole(ample, work.sft_store, slice_tokenizer(work.model))
     doc = {"recipe": str(WHOLE_RECIPE.relative_to(REPO)), "host": json.loads(ample.read_text()), "plans": rows}
     (SLICE / "whole.json").write_text(json.dumps(doc, indent=2))
     for row in rows:

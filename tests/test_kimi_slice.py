@@ -119,3 +119,13 @@ def test_deepseek_v3_size_block_is_its_671b() -> None:
 
     size = load_recipe(REPO / "recipes" / "deepseek-v3-fp8.yaml").source.size
     assert round(size.parameters / 1e9) == 671 and size.expert_parameters == 58 * 256 * 3 * 7168 * 2048
+
+
+def test_the_whole_models_plan_counts_records_with_any_depths_tokenizer(tmp_path: Path) -> None:
+    for depth in (3, 6):
+        (tmp_path / f"moe{depth}" / "model").mkdir(parents=True)
+    assert kimi_slice.slice_tokenizer(tmp_path / "moe6" / "model", tmp_path) is None  # none on disk: ~4 B a token
+    (tmp_path / "moe3" / "model" / "tokenizer.json").write_text("{}")
+    assert kimi_slice.slice_tokenizer(tmp_path / "moe6" / "model", tmp_path) == tmp_path / "moe3" / "model"
+    (tmp_path / "moe6" / "model" / "tokenizer.json").write_text("{}")
+    assert kimi_slice.slice_tokenizer(tmp_path / "moe6" / "model", tmp_path) == tmp_path / "moe6" / "model"
