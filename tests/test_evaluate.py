@@ -227,11 +227,8 @@ def test_multiple_choice_reference_without_letter_is_refused(stub: Stub, tmp_pat
 def test_concurrency_is_bounded(stub: Stub, tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "eval.jsonl", [_chat(f"q{i}", f"a{i}") for i in range(12)])
     stub.delay_s = 0.15
-    started = time.perf_counter()
     evaluate_endpoint(stub.url, KEY, "m", EvaluationConfig(files=[path], concurrency=3))
-    elapsed = time.perf_counter() - started
-    assert stub.max_in_flight == 3
-    assert elapsed < 12 * 0.15  # actually concurrent
+    assert stub.max_in_flight == 3  # concurrent, and never more than asked (the server counts, not a clock)
 
 
 def test_failed_requests_raise_instead_of_partial_metrics(stub: Stub, tmp_path: Path) -> None:
