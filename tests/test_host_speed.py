@@ -145,8 +145,10 @@ def test_two_machines_sharing_a_hostname_do_not_calibrate_each_other(tmp_path: P
     H100 host's runs with a 32-core H200 host's at the same thread count."""
     recipe = _big(tmp_path)
     h100 = _h100().model_copy(update={"hostname": "vm"})
-    h200 = h100.model_copy(update={"physical_cores": 32, "logical_cores": 64, "ram_bytes": 256 << 30})
+    h200 = h100.model_copy(update={"physical_cores": 32, "logical_cores": 64})
     assert h100.machine != h200.machine and "16 cores" in h100.machine
+    # the same machine planned as if it had more RAM (kimi_slice.py whole) is still calibrated by its runs
+    assert h100.model_copy(update={"ram_bytes": 2 << 40}).machine == h100.machine
     _publish(tmp_path, "on-h100", _record(0.60, 1024, host="vm", machine=h100.machine))
     _publish(tmp_path, "on-h200", _record(1.20, 1024, host="vm", machine=h200.machine), created="2026-01-02")
     _publish(tmp_path, "before-machines", _record(0.90, 1024, host="vm"), created="2026-01-03")  # no machine: kept

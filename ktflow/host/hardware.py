@@ -98,11 +98,11 @@ class HostInfo(BaseModel):
 
     @property
     def machine(self) -> str:
-        """What a KT run's speed depends on of this machine: CPU model, physical cores, NUMA nodes, RAM. With the
+        """What a KT run's speed depends on of this machine: CPU model, physical cores, NUMA nodes. With the
         hostname it keys the host's calibration runs (planning.host_speed): machines made from one image often share
-        a hostname (every GPU host lent so far, and this project's CI box, are "vm")."""
-        return (f"{self.cpu_model}, {self.physical_cores} cores, {self.numa_nodes} NUMA node(s), "
-                f"{round(self.ram_bytes / (1 << 30))} GiB")
+        a hostname (every GPU host lent so far, and this project's CI box, are "vm"). Not the RAM: a plan for this
+        host as if it had more (``ktflow plan --host``) is still calibrated by its runs."""
+        return f"{self.cpu_model}, {self.physical_cores} cores, {self.numa_nodes} NUMA node(s)"
 
     def describe_cpu(self) -> str:
         """``AMD EPYC, kt-kernel variant avx2``, with an override and the CPU's own variant if they differ."""
