@@ -157,18 +157,30 @@ def plan_whole(host_file: Path, store: Path, tokenizer_dir: Path | None, data: P
             sets = whole_sets(variant, store, gpus, data)
             recipe = load_recipe(WHOLE_RECIPE, sets)
             lengths = record_lengths(recipe, tokenizer_dir) if variant == "as-the-slice-trains" else None
-            plan = plan_recipe(recipe, host, lengths=lengths)
-            stages = {s.stage: s for s in plan.stages}
-            sft, serve = stages["sft"], stages.get("serve")
-            rows.append({
-                "variant": variant, "gpus": gpus, "sets": sets, "step_s": sft.step_seconds, "seconds": sft.seconds,
-                "gpu_gib_per_gpu": round(sft.gpu_bytes / 2**30, 2), "ram_gib": round(sft.ram_bytes / 2**30, 1),
-                "time_basis": sft.time_basis, "fits": sft.fits, "problems": sft.problems,
-                "serve": None if serve is None else {"decode_tokens_per_s": serve.decode_tokens_per_s,
-                                                     "gpu_gib": round(serve.gpu_bytes / 2**30, 2),
-                                                     "ram_gib": round(serve.ram_bytes / 2**30, 1),
-                                                     "time_basis": serve.time_basis}})
+            sft, serve = _sft_and_serve(plan_recipe(recipe, host, lengths=lengths))
+            rows.append({"variant": variant, "gpus": gpus, "sets": sets, "step_s": sft.step_seconds,
+                         "seconds": sft.seconds, **_sft_figures(sft), "serve": _serve_figures(serve)})
     return rows
+
+
+def _sft_and_serve(plan: Any) -> tuple[Any, Any]:
+    """A plan's sft line and its serve line (None: the recipe serves nothing)."""
+    stages = {st.stage: st for st in plan.stages}
+    return stages["sft"], stages.get("serve")
+
+
+def _sft_figures(sft: Any) -> dict[str, Any]:
+    """What whole.json and seeds.json keep of a plan's sft line (besides its step)."""
+    return {"gpu_gib_per_gpu": round(sft.gpu_bytes / 2**30, 2), "ram_gib": round(sft.ram_bytes / 2**30, 1),
+            "time_basis": sft.time_basis, "fits": sft.fits, "problems": sft.problems}
+
+
+def _serve_figures(serve: Any) -> dict[str, Any] | None:
+    """What whole.json and seeds.json keep of a plan's serve line."""
+    if serve is None:
+        return None
+    return {"decode_tokens_per_s": serve.decode_tokens_per_s, "gpu_gib": round(serve.gpu_bytes / 2**30, 2),
+            "ram_gib": round(serve.ram_bytes / 2**30, 1), "time_basis": serve.time_basis}
 
 
 def slice_tokenizer(preferred: Path, slices: Path = SLICE) -> Path | None:
@@ -205,21 +217,15 @@ SEED_HOSTS: dict[str, tuple[int, int]] = {  # name: (GPUs, RAM bytes)
 # What each seed figure trained (KT's DeepSeek-V3 user guide: qlen 512, GAS 16, LoRA r 8, BF16 experts on AMX; KT's
 # Kimi-K2 SFT guide's YAML: cutoff 2048, 1 record x 8 micro-batches, LoRA r 8), planned with ktflow's recipes' other
 # KT settings as shipped.
+DEEPSEEK_V3_RECIPE = REPO / "recipes" / "deepseek-v3-fp8.yaml"
+DEEPSEEK_USER_GUIDE = ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=16",
+                       "sft.lora_rank=8", "sft.kt_config.kt_model_max_length=512", "sft.kt_config.kt_backend=AMXBF16",
+                       "sft.kt_config.kt_expert_weight_format=bf16"]
 SEED_PLANS: list[tuple[str, Path, str, list[str]]] = [
-    ("kimi-k2.5 as the seeds' guide", WHOLE_RECIPE, "seed-train-2x4090",
-     ["sft.cutoff_len=2048", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=8",
-      "sft.kt_config.kt_model_max_length=2048"]),
-    ("kimi-k2.5 as the seeds' guide", WHOLE_RECIPE, "seed-train-4x4090",
-     ["sft.cutoff_len=2048", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=8",
-      "sft.kt_config.kt_model_max_length=2048"]),
-    ("deepseek-v3 as KT's user guide", REPO / "recipes" / "deepseek-v3-fp8.yaml", "seed-train-2x4090",
-     ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=16",
-      "sft.lora_rank=8", "sft.kt_config.kt_model_max_length=512", "sft.kt_config.kt_backend=AMXBF16",
-      "sft.kt_config.kt_expert_weight_format=bf16"]),
-    ("deepseek-v3 as KT's user guide", REPO / "recipes" / "deepseek-v3-fp8.yaml", "seed-train-4x4090",
-     ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=16",
-      "sft.lora_rank=8", "sft.kt_config.kt_model_max_length=512", "sft.kt_config.kt_backend=AMXBF16",
-      "sft.kt_config.kt_expert_weight_format=bf16"]),
+    ("kimi-k2.5 as the seeds' guide", WHOLE_RECIPE, "seed-train-2x4090", WHOLE_VARIANTS["as-the-seeds-guide"]),
+    ("kimi-k2.5 as the seeds' guide", WHOLE_RECIPE, "seed-train-4x4090", WHOLE_VARIANTS["as-the-seeds-guide"]),
+    ("deepseek-v3 as KT's user guide", DEEPSEEK_V3_RECIPE, "seed-train-2x4090", DEEPSEEK_USER_GUIDE),
+    ("deepseek-v3 as KT's user guide", DEEPSEEK_V3_RECIPE, "seed-train-4x4090", DEEPSEEK_USER_GUIDE),
     ("kimi-k2.5 served", WHOLE_RECIPE, "seed-serve-2x4090", ["serving.gpus=2"]),
 ]
 
@@ -249,20 +255,16 @@ def plan_seeds(template: Path, out: Path) -> list[dict[str, Any]]:
         host_file.write_text(json.dumps(seed_host(host_name, base), indent=2))
         gpus = SEED_HOSTS[host_name][0]
         recipe = load_recipe(recipe_path, [f"sft.gpus={gpus}", "evaluation.enabled=false", *sets])
-        plan = plan_recipe(recipe, load_host(host_file))
-        stages = {st.stage: st for st in plan.stages}
-        sft, serve = stages["sft"], stages.get("serve")
+        sft, serve = _sft_and_serve(plan_recipe(recipe, load_host(host_file)))
         tokens_per_step = recipe.sft.cutoff_len * recipe.sft.per_device_train_batch_size * \
             recipe.sft.gradient_accumulation_steps
+        served = _serve_figures(serve)
+        if served is not None:
+            served.update(fits=serve.fits, problems=serve.problems)
         rows.append({"what": what, "recipe": str(recipe_path.relative_to(REPO)), "host": host_name, "sets": sets,
                      "gpus": gpus, "step_s": sft.step_seconds, "tokens_per_step": tokens_per_step,
                      "tokens_per_s": round(tokens_per_step / sft.step_seconds, 2) if sft.step_seconds else None,
-                     "gpu_gib_per_gpu": round(sft.gpu_bytes / 2**30, 2), "ram_gib": round(sft.ram_bytes / 2**30, 1),
-                     "fits": sft.fits, "problems": sft.problems, "time_basis": sft.time_basis,
-                     "serve": None if serve is None else {
-                         "decode_tokens_per_s": serve.decode_tokens_per_s, "gpu_gib": round(serve.gpu_bytes / 2**30, 2),
-                         "ram_gib": round(serve.ram_bytes / 2**30, 1), "fits": serve.fits, "problems": serve.problems,
-                         "time_basis": serve.time_basis}})
+                     **_sft_figures(sft), "serve": served})
     return rows
 
 
