@@ -19,9 +19,9 @@ sys.path.insert(0, str(REPO / "gpu_host"))
 import kimi_slice  # noqa: E402
 
 
-def work(moe_layers: int) -> kimi_slice.SliceWork:
+def work(moe_layers: int, threads: int | None = None) -> kimi_slice.SliceWork:
     return kimi_slice.SliceWork(argparse.Namespace(moe_layers=moe_layers, python=sys.executable, ktflow_python=None,
-                                                   set=None, gpus=1, threads=None, serve_python=sys.executable))
+                                                   set=None, gpus=1, threads=threads, serve_python=sys.executable))
 
 
 def test_each_depth_has_its_model_and_results_and_all_share_one_store() -> None:
@@ -31,8 +31,7 @@ def test_each_depth_has_its_model_and_results_and_all_share_one_store() -> None:
     assert six.recipe.name == "slice-kt-rawint4.yaml" and six.serve_recipe.name == "slice-sglang-rawint4.yaml"
     sets = dict(s.split("=", 1) for s in six.sets(six.sft_store))
     assert sets["source.local_path"] == str(six.model) and sets["dataset.files"] == f"[{kimi_slice.DATA}]"
-    threads = kimi_slice.SliceWork(argparse.Namespace(moe_layers=3, python=sys.executable, ktflow_python=None,
-                                                      set=None, gpus=1, threads=16, serve_python=sys.executable))
+    threads = work(3, threads=16)
     assert threads.sft_name == "sft-t16" and threads.sft_store == kimi_slice.SLICE / "store-t16"
 
 

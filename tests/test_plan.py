@@ -451,10 +451,8 @@ def test_kv_cache_geometry_matches_the_pool_sglang_kt_allocated_for_the_served_s
 
 
 def test_a_checkpoints_kv_geometry_is_read_from_its_config(fixture_dir) -> None:
-    import json as _json
-
     path = fixture_dir("kimi-k2.5")
-    config = _json.loads((path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
     config = config.get("text_config", config)
     size = model_size(path)
     assert size.kv_latent
