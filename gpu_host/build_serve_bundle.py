@@ -19,12 +19,12 @@ upstream ``sglang-kernel`` 0.4.4 (built for torch 2.11 / CUDA 13), every version
   einops, loguru;
 - a stand-in ``IPython.display`` (sglang/utils.py imports ``HTML`` and ``display`` from it at import time,
   for notebooks only), ktflow from this working tree, and ``bin/python`` / ``bin/ktflow`` shims with the
-  same ``sitecustomize`` as the training bundle (gpu_host/build_bundle.py).
+  same ``sitecustomize`` as the training bundle (gpu_host/bundle.py writes both).
 
 Self-contained: with the host's python3 it runs ``sglang.launch_server`` and ktflow (render the launch,
-``convert-lora``), with or without the training bundle beside it. Wheels are downloaded once into
-``.cache/gpu-host/serve-wheels`` (the training bundle's ``.cache/gpu-host/wheels`` is reused where it
-holds the pinned file), unpacked into ``build/gpu-host/serve`` and packed as
+``convert-lora``), with or without the training bundle beside it. Built by gpu_host/bundle.py: wheels are
+downloaded once into ``.cache/gpu-host/serve-wheels`` (the training bundle's ``.cache/gpu-host/wheels`` is
+reused where it holds the pinned file), unpacked into ``build/gpu-host/serve`` and packed as
 ``build/gpu-host/serve-parts/serve.tar.xz.NN`` (each at most ``--part-mib`` MiB) + ``serve.sha256``
 (gpu_host/run.sh serve-setup unpacks it with the host's python3, checking the sha256).
 
@@ -34,43 +34,15 @@ holds the pinned file), unpacked into ``build/gpu-host/serve`` and packed as
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import io
-import json
-import os
 import re
-import shutil
-import subprocess
 import sys
-import tarfile
-import zipfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import build_bundle  # noqa: E402  (the training bundle's shims, platform tags and ktflow copy)
+import bundle  # noqa: E402  (the builder both GPU-host bundles share)
 
-REPO = HERE.parent
-CONSTRAINTS = REPO / "constraints" / "sglang-gpu-host.txt"
-CACHE = REPO / ".cache" / "gpu-host" / "serve-wheels"
-CACHES = (CACHE, build_bundle.CACHE)
-BUILD = REPO / "build" / "gpu-host"
-SERVE = BUILD / "serve"
-PARTS = BUILD / "serve-parts"
-PLATFORMS = build_bundle.PLATFORMS + ["manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_5_x86_64"]
-
-# What each wheel leaves out (a member path matching any pattern is not unpacked).
-_SKIP_ALWAYS = re.compile(r"^[^/]*_sgl_kernel_payload/")
-_SKIP: dict[str, re.Pattern[str]] = {
-    "sglang_kt": re.compile(r"^sglang/multimodal_gen/"),
-    # FA3 (1.7 GB), Blackwell build, FlashMLA: not used with --attention-backend triton on Hopper
-    "sglang_kernel": re.compile(r"^sgl_kernel/(flash_ops\.|flashmla_ops\.|sm100/)"),
-    # kt-kernel's wheel also carries torch-2.9.1 SGLang kernels (sgl_kernel, deep_gemm, ...): only kt_kernel stays
-    "kt_kernel": re.compile(r"^(?!kt_kernel/|kt_kernel\.libs/|kt_kernel-)"),
-}
-_KT_EXT = build_bundle._KT_EXT
+CONSTRAINTS = bundle.REPO / "constraints" / "sglang-gpu-host.txt"
 
 # sglang-kt 0.7.2 imports these from sgl_kernel; sglang-kernel 0.4.4 (and every torch-2.11 build) lacks them.
 # All are FP4 (Blackwell) paths; quantization/fp8.py imports flashinfer_trtllm.py, which imports
@@ -127,11 +99,6 @@ def display(*objs, **kwargs):
     for obj in objs:
         print(getattr(obj, "data", obj))
 '''
-ENTRY_POINTS = {"ktflow": ("ktflow.cli", "main")}
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def requirements(path: Path = CONSTRAINTS) -> list[str]:
@@ -144,72 +111,6 @@ def requirements(path: Path = CONSTRAINTS) -> list[str]:
                 raise SystemExit(f"{path.name}: {line!r} is not pinned exactly")
             reqs.append(line.replace(" ", ""))
     return reqs
-
-
-def _wheel_for(req: str) -> Path | None:
-    name, version = req.split("==")
-    stem = re.sub(r"[-.]+", "_", name).lower()
-    for cache in CACHES:
-        for wheel in sorted(cache.glob("*.whl")) if cache.is_dir() else ():
-            parts = wheel.name.split("-")
-            if re.sub(r"[-.]+", "_", parts[0]).lower() == stem and parts[1] == version:
-                return wheel
-    return None
-
-
-def download(reqs: list[str]) -> list[Path]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    for req in [r for r in reqs if _wheel_for(r) is None]:
-        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--pre",
-                "--python-version", build_bundle.PYTHON_VERSION, "--implementation", "cp", "-d", str(CACHE), "-q"]
-        for platform in PLATFORMS:
-            argv += ["--platform", platform]
-        print(f"download {req}", flush=True)
-        if subprocess.run(argv + [req]).returncode != 0:  # a pure-Python sdist (rouge-score): its wheel, built once
-            print(f"{req}: no wheel on the index; building one from its sdist", flush=True)
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(CACHE), req], check=True)
-    wheels = []
-    for req in reqs:
-        wheel = _wheel_for(req)
-        if wheel is None:
-            raise SystemExit(f"{req}: pip downloaded nothing matching")
-        wheels.append(wheel)
-    return wheels
-
-
-def keep(wheel_name: str, member: str) -> bool:
-    """Whether ``member`` of the wheel ``wheel_name`` goes into the bundle."""
-    if _SKIP_ALWAYS.match(member):
-        return False
-    stem = wheel_name.split("-", 1)[0].lower()
-    skip = _SKIP.get(stem)
-    if skip is not None and skip.match(member):
-        return False
-    m = _KT_EXT.match(member)
-    return not (m and not m.group("variant").startswith("amx"))
-
-
-def unpack(wheels: list[Path], site: Path) -> dict[str, dict[str, int]]:
-    sizes: dict[str, dict[str, int]] = {}
-    for wheel in wheels:
-        kept = left = 0
-        with zipfile.ZipFile(wheel) as zf:
-            for info in zf.infolist():
-                if info.is_dir():
-                    continue
-                if not keep(wheel.name, info.filename):
-                    left += info.file_size
-                    continue
-                target = site / info.filename
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(info) as src, open(target, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-                mode = (info.external_attr >> 16) & 0o777
-                if mode:
-                    os.chmod(target, mode)
-                kept += info.file_size
-        sizes[wheel.name] = {"kept": kept, "left_out": left}
-    return sizes
 
 
 def patch(site: Path) -> None:
@@ -229,70 +130,26 @@ def patch(site: Path) -> None:
     (ipython / "display.py").write_text(_IPYTHON_DISPLAY)
 
 
-def write_shims(bundle: Path) -> None:
-    (bundle / "site" / "sitecustomize.py").write_text(build_bundle._SITECUSTOMIZE)
-    bin_dir = bundle / "bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    (bin_dir / "python").write_text(build_bundle._PY_SHIM.replace("The KT training toolchain", "The SGLang serving "
-                                                                   "toolchain"))
-    for name, (module, func) in ENTRY_POINTS.items():
-        (bin_dir / name).write_text(build_bundle._ENTRY.format(module=module, func=func, name=name))
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-
-
-def pack(bundle: Path, parts_dir: Path, part_mib: int) -> list[Path]:
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    parts_dir.mkdir(parents=True)
-    buf = io.BytesIO()
+SERVE = bundle.Bundle(
+    name="serve", parts="serve-parts", toolchain="SGLang serving toolchain", requirements=requirements,
+    # the training bundle's cache is reused where it holds the pinned file
+    caches=(bundle.CACHE / "serve-wheels", bundle.CACHE / "wheels"),
     # xz, not gzip: 35 MB instead of 51 (sgl_kernel's sm90 ops, tokenizers and transformers' sources compress
     # much better), which leaves room in a 64 MiB call for the checkout, the inputs and an adapter.
-    with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tar:
-        tar.add(bundle, arcname=bundle.name, filter=_reproducible)
-    data = buf.getvalue()
-    size = part_mib << 20
-    parts = []
-    for i in range(0, len(data), size):
-        part = parts_dir / f"serve.tar.xz.{i // size:02d}"
-        part.write_bytes(data[i:i + size])
-        parts.append(part)
-    (parts_dir / "serve.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  serve.tar.xz\n")
-    return parts
-
-
-def _reproducible(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mtime = 0
-    return info
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="print the pinned requirements and exit")
-    ap.add_argument("--part-mib", type=int, default=59)
-    args = ap.parse_args()
-    reqs = requirements()
-    if args.check:
-        print("\n".join(reqs))
-        return 0
-    wheels = download(reqs)
-    shutil.rmtree(SERVE, ignore_errors=True)
-    site = SERVE / "site"
-    site.mkdir(parents=True)
-    sizes = unpack(wheels, site)
-    patch(site)
-    build_bundle.add_ktflow(site)
-    write_shims(SERVE)
-    (SERVE / "requirements.txt").write_text("\n".join(reqs) + "\n")
-    (SERVE / "unpacked_bytes.json").write_text(json.dumps(sizes, indent=1) + "\n")
-    parts = pack(SERVE, PARTS, args.part_mib)
-    total = sum(p.stat().st_size for p in parts)
-    kept = sum(s["kept"] for s in sizes.values())
-    print(f"serve bundle: {kept / 1e6:.0f} MB unpacked, {total / 1e6:.1f} MB packed in {len(parts)} part(s) under "
-          f"{PARTS.relative_to(REPO)}")
-    return 0
+    compression="xz", part_mib=59,
+    platforms=(*bundle.MANYLINUX, "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_5_x86_64"),
+    skip={
+        "sglang_kt": re.compile(r"^sglang/multimodal_gen/"),
+        # FA3 (1.7 GB), Blackwell build, FlashMLA: not used with --attention-backend triton on Hopper
+        "sglang_kernel": re.compile(r"^sgl_kernel/(flash_ops\.|flashmla_ops\.|sm100/)"),
+        "kt_kernel": bundle.KT_KERNEL_ONLY,
+    },
+    entry_points={"ktflow": ("ktflow.cli", "main")},
+    patch=patch,
+    build_sdists=True,  # rouge-score is an sdist only (pure Python)
+    record_left_out=True,  # what each trim saved
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bundle.main(SERVE, __doc__))

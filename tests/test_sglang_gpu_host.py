@@ -156,7 +156,7 @@ def test_serve_bundle_pins_every_package_exactly() -> None:
     ("transformers_kt-5.6.0.post6-py3-none-manylinux_2_35_x86_64.whl", "transformers_kt_sgl_kernel_payload/p", False),
 ])
 def test_serve_bundle_trims(wheel: str, member: str, kept: bool) -> None:
-    assert build_serve_bundle.keep(wheel, member) is kept
+    assert build_serve_bundle.SERVE.keep(wheel, member) is kept
 
 
 def test_serve_bundle_patches(tmp_path: Path) -> None:
