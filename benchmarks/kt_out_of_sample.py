@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/kt_out_of_sample.py             # print the tables, write the check
     .venv/bin/python benchmarks/kt_out_of_sample.py --no-write  # print only
 
-Reads one folder of docs/benchmarks/kt-throughput per device machine (:data:`MACHINES`): the runs of
+Reads one folder of benchmarks/data/kt-throughput per device machine (:data:`MACHINES`): the runs of
 ``gpu_host/throughput.py`` made on that machine after the fit (each ``NAME.json`` holds the run's
 settings, what it measured from outside, kt-kernel's timers and ``plan``: ``ktflow plan --json`` of the
 same recipe, run on that host after the run) and ``host.json`` (or ``host-quick.json``: the machine's
 read bandwidth and BF16 matmul rate). Nothing here is fitted: every prediction uses the constants in
-``ktflow.planning.costs`` as shipped. Writes docs/benchmarks/kt-throughput/out-of-sample-check.json.
+``ktflow.planning.costs`` as shipped. Writes benchmarks/data/kt-throughput/out-of-sample-check.json.
 
 Per run, four predictions of the step against the measured one:
 
@@ -49,7 +49,7 @@ from ktflow.planning.host_speed import KtStepRecord, model_digest, pick_calibrat
 from ktflow.planning.sizing import ModelSize  # noqa: E402
 from ktflow.recipe import load_recipe  # noqa: E402
 
-KT = REPO / "docs/benchmarks/kt-throughput"
+KT = REPO / "benchmarks/data/kt-throughput"
 CHECK = KT / "out-of-sample-check.json"
 # The reference host's 16-thread medians the shipped curves hold (kt-throughput/host.json).
 REFERENCE_READ_GB_S, REFERENCE_MATMUL_TFLOPS = COSTS.kt_read_gb_s[16], COSTS.kt_matmul_tflops[16]
@@ -61,7 +61,7 @@ class Machine:
     """One device machine's runs: where they are, and which of them compare with which."""
 
     name: str
-    folder: str  # under docs/benchmarks/kt-throughput
+    folder: str  # under benchmarks/data/kt-throughput
     splits: tuple[str, str, str] | None  # one effective batch of 8: as written (1 x 8), shaped, by hand
     sweeps: dict[str, dict[str, str]]  # base run -> {run: the one setting it changes}
 

@@ -1,4 +1,4 @@
-"""Fit ktflow's KT step-time and memory model on the measured runs in docs/benchmarks/kt-throughput.
+"""Fit ktflow's KT step-time and memory model on the measured runs in benchmarks/data/kt-throughput.
 
     .venv/bin/python benchmarks/kt_step_model.py            # fit, print the table, write fit.json
     .venv/bin/python benchmarks/kt_step_model.py --no-write # fit and print only
@@ -53,7 +53,7 @@ from ktflow.planning.costs import KT_BYTES_PER_PARAM, CostModel, kt_step_estimat
 from ktflow.planning.sizing import KtMemoryModel, ModelSize, _size_of, estimate_kt_sft_memory  # noqa: E402
 from ktflow.recipe import ModelFacts, load_recipe  # noqa: E402
 
-DATA = REPO / "docs/benchmarks/kt-throughput"
+DATA = REPO / "benchmarks/data/kt-throughput"
 RECIPE = REPO / "gpu_host/big-kt-rawint4.yaml"
 HELD_OUT = ("s2-base", "b1-c1024", "mb512")
 TIME_CONSTANTS = ("kt_forward_bytes_floors", "kt_forward_flop_floors", "kt_backward_bytes_floors",
@@ -323,7 +323,7 @@ BF16_HYPOTHESES = {"per parameter, as RAWINT4": KT_BYTES_PER_PARAM["rawint4"], "
 
 
 def _bf16_legs() -> list[dict[str, Any]]:
-    calibration = json.loads((REPO / "docs/benchmarks/calibration.json").read_text())
+    calibration = json.loads((REPO / "benchmarks/data/calibration.json").read_text())
     legs = []
     for leg in calibration["legs"]:
         if leg["id"] not in BF16_LEGS:

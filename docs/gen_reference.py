@@ -8,7 +8,7 @@ A committed page holds a marker where generated content goes, so it reads on Git
   parser ``ktflow.cli.build_parser``;
 - ``<!-- ktflow:stage-example -->``: the stage a contributor copies, taken from README.md, where
   tests/test_runner.py runs it as written;
-- ``<!-- ktflow:figure NAME -->``: a chart drawn (SVG) from the data under docs/benchmarks.
+- ``<!-- ktflow:figure NAME -->``: a chart drawn (SVG) from the data under benchmarks/data.
 
 A marker the hook does not know, or a page that names a figure with no data, fails the build.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-BENCH = DOCS / "benchmarks"
+BENCH = ROOT / "benchmarks" / "data"
 FIGURES = "figures"  # where the generated SVGs live in the built site
 
 _MARKER = re.compile(r"<!-- ktflow:([a-z-]+)(?: ([a-z0-9-]+))? -->")
@@ -236,7 +236,7 @@ def stage_example() -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Figures: small SVG charts from docs/benchmarks
+# Figures: small SVG charts from benchmarks/data
 # --------------------------------------------------------------------------------------------------
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
@@ -353,7 +353,7 @@ def _losses(path: Path) -> list[tuple[float, float]]:
 
 
 def figure_loss_gpu_host() -> str:
-    base = BENCH / "gpu-host-checks-2026-11-25"
+    base = BENCH / "gpu-host-checks"
     return chart("KT 0.7 LoRA SFT on the GPU host, tiny models (2026-11-25)", "optimizer step", "training loss (log)",
                  [{"label": "BF16 (AMXBF16)", "points": _losses(base / "run-bf16/trainer_log.jsonl")},
                   {"label": "Kimi INT4 (RAWINT4)", "points": _losses(base / "run-rawint4/trainer_log.jsonl"),
@@ -441,4 +441,28 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
             raise ValueError(f"{page.file.src_uri}: unknown marker ktflow:{kind} (docs/gen_reference.py)")
         return GENERATORS[kind]()
 
-    return _MARKER.sub(replace, markdown)
+    return _repository_links(_MARKER.sub(replace, markdown), page.file.src_uri, config)
+
+
+# A link that leaves docs/ for a file of the repository (``[data](../../benchmarks/data/x/README.md)``) works on
+# GitHub but not in the built site, which holds no raw data: it becomes a link to the repository's copy where
+# mkdocs.yml names a ``repo_url``, else the repository path in code. A path that does not exist fails the build.
+_LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)#\s]+)(#[^)\s]*)?\)")
+
+
+def _repository_links(markdown: str, src_uri: str, config: Any) -> str:
+    def replace(match: re.Match[str]) -> str:
+        text, target, anchor = match.group(1), match.group(2), match.group(3) or ""
+        resolved = (DOCS / src_uri).parent.joinpath(target).resolve()
+        if resolved.is_relative_to(DOCS.resolve()):
+            return match.group(0)  # a page of the site: mkdocs checks it
+        if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            raise ValueError(f"{src_uri}: link to {target!r}, which is not a file of the repository")
+        path = resolved.relative_to(ROOT).as_posix()
+        repo_url = (config.get("repo_url") or "").rstrip("/")
+        if repo_url:
+            kind = "tree" if resolved.is_dir() else "blob"
+            return f"[{text}]({repo_url}/{kind}/HEAD/{path}{anchor})"
+        return f"{text} (`{path}` in the repository)"
+
+    return _LINK.sub(replace, markdown)

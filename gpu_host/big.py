@@ -35,7 +35,7 @@ Served (issue "Serve for real", item 4), after ``sft``, on the same machine:
 ``--size reduced`` runs the same code on the same structure at reduced widths (3 layers, 16 experts,
 4 steps) in a minute or two (run.sh big-reduced; tests/test_gpu_host.py checks it). Outputs land in
 build/gpu-host/big[-reduced]/: model, data, stores, and results/*.json (with every earlier run of a
-phase in results/history/) to copy into docs/benchmarks/bigger-than-gpu/.
+phase in results/history/) to copy into benchmarks/data/bigger-than-gpu/.
 
 Measured from outside the processes with benchmarks/kt_vs_hf.py's Sampler and measure: wall time;
 ktflow's pre-launch (start -> the launcher seen) and publish (launcher exit -> exit) time; load (start

@@ -24,7 +24,7 @@ tokenizer), the recipe gpu_host/slice-kt-rawint4.yaml (cutoff 512, 8 records a s
 first holds the load, the second warms up). Measured as gpu_host/big.py measures (kt_vs_hf's Sampler: steady step,
 tokens/s, peak GPU memory over idle, peak RSS of the process tree, load time); ``ktflow plan``'s prediction for
 each run is made before it and saved beside it (``predicted``). Outputs: build/gpu-host/slice/moeN/results/*.json
-and build/gpu-host/slice/whole.json, packed by ``run.sh pack-slice``; copied to docs/benchmarks/kimi-slice/.
+and build/gpu-host/slice/whole.json, packed by ``run.sh pack-slice``; copied to benchmarks/data/kimi-slice/.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def phase_whole(work: SliceWork) -> int:
     return 0
 
 
-# The seeds' hosts (issue "A slice of Kimi-K2.5", item 4; docs/benchmarks/kimi-slice/README.md says where each figure
+# The seeds' hosts (issue "A slice of Kimi-K2.5", item 4; benchmarks/data/kimi-slice/README.md says where each figure
 # comes from): a dual-socket Xeon Platinum 8488C (48 cores a socket, as the KT docs' --kt-cpuinfer 96 and
 # --kt-threadpool-count 2 on that machine imply; one NUMA node a socket) with RTX 4090 24 GB cards.
 SEED_GPU = {"name": "NVIDIA GeForce RTX 4090", "vram_bytes": 24564 * 2**20}
@@ -269,8 +269,8 @@ def plan_seeds(template: Path, out: Path) -> list[dict[str, Any]]:
 
 
 def phase_seeds(work: SliceWork) -> int:
-    """The seeds' hosts planned (:func:`plan_seeds`; no GPU needed): docs/benchmarks/kimi-slice/seeds.json."""
-    docs = REPO / "docs" / "benchmarks" / "kimi-slice"
+    """The seeds' hosts planned (:func:`plan_seeds`; no GPU needed): benchmarks/data/kimi-slice/seeds.json."""
+    docs = REPO / "benchmarks" / "data" / "kimi-slice"
     rows = plan_seeds(docs / "host.json", docs / "hosts")
     (docs / "seeds.json").write_text(json.dumps({"plans": rows}, indent=2))
     for row in rows:

@@ -30,7 +30,7 @@ realistic lengths, so micro-batches are padded to their longest; ``--set sft.kt_
 
 Each run writes build/gpu-host/tp/results/NAME.json; after each, the results folder is packed into
 $OUT/tp-results.tar.gz when OUT is set (what a device call brings back). Copy the JSON files to
-docs/benchmarks/kt-throughput/.
+benchmarks/data/kt-throughput/.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ plus the SFT stage's GPU-memory sizing.
 ``serve_needs``: what their preflights check, worded as they word it) for the model's size, sizes
 download, dequantize and quantize-int8 by their byte counts (their preflights measure the files
 themselves once they are there), and adds a predicted wall time from :class:`~ktflow.planning.costs.CostModel`, whose
-constants are fitted on the runs kept in docs/benchmarks (``calibration.json`` lists every one
+constants are fitted on the runs kept in benchmarks/data (``calibration.json`` lists every one
 with its source files). ``sft.backend: auto`` is resolved as ``ktflow sft`` would resolve it.
 
 The model's size comes from the checkpoint's headers when it is on this host, else from the
@@ -302,13 +302,13 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
         basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
                  f"{sft.gpu_split().describe()}, "
                  f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
-                 f"model fitted on the H100 + 16-core AMX host, docs/benchmarks/kt-throughput; {calibration})")
+                 f"model fitted on the H100 + 16-core AMX host, benchmarks/data/kt-throughput; {calibration})")
         if sft.gpus > 1:
             step = step / costs.kt_multi_gpu_speed
             basis += (f"; on {sft.gpus} GPUs {step:.1f} s, slower than on one ({costs.kt_multi_gpu_speed:.2f}x its "
                       "tokens/s): KT's CPU experts stream every micro-batch of the step whatever the GPU count, and "
                       "the ranks add their hand-offs (fitted on 2 x H200 tiny runs, 0.61-0.65x; the 57B model on "
-                      "4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4; docs/benchmarks/multi-gpu); more "
+                      "4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4; benchmarks/data/multi-gpu); more "
                       "GPUs add GPU memory, not speed")
     elif sft.backend == "hf" and sft.gpus > 0:
         step = hf_step_seconds(size, sft, costs, tokens_per_step=round(tokens * sft.gradient_accumulation_steps))

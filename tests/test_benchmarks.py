@@ -1,6 +1,6 @@
 """benchmarks/kt_vs_hf.py: its recipes, its data, and its measuring harness run for real on
 the CPU (plain LlamaFactory against ``ktflow sft`` on the same recipe). The KT legs need the GPU
-host; what they measured there is in docs/benchmarks/kt-vs-hf/ and README."""
+host; what they measured there is in benchmarks/data/kt-vs-hf/ and README."""
 
 from __future__ import annotations
 

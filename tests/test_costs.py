@@ -1,4 +1,4 @@
-"""KT's step-time and memory model (ktflow.planning.costs, sizing), its fit on docs/benchmarks/kt-throughput
+"""KT's step-time and memory model (ktflow.planning.costs, sizing), its fit on benchmarks/data/kt-throughput
 (benchmarks/kt_step_model.py), micro-batch shaping (ktflow.planning.batch_shape) and the token-aware plan."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_the_shipped_constants_are_what_the_script_fits_from_the_committed_data(
     curves = kt_step_model.host_curves()
     assert shipped.kt_read_gb_s == curves["kt_read_gb_s"] and shipped.kt_matmul_tflops == curves["kt_matmul_tflops"]
     # fit.json is the script's output on the same data (rerun `benchmarks/kt_step_model.py` after a change).
-    committed = json.loads((REPO / "docs/benchmarks/kt-throughput/fit.json").read_text())
+    committed = json.loads((REPO / "benchmarks/data/kt-throughput/fit.json").read_text())
     assert committed == json.loads(json.dumps(fitted))
 
 
@@ -88,7 +88,7 @@ def test_the_fit_solver_recovers_known_constants() -> None:
 
 
 def test_the_out_of_sample_check_is_the_scripts_output_on_runs_the_fit_never_saw(fitted: dict) -> None:
-    """docs/benchmarks/kt-throughput/out-of-sample*: runs made after the fit on four device machines,
+    """benchmarks/data/kt-throughput/out-of-sample*: runs made after the fit on four device machines,
     predicted with the shipped constants (nothing fitted); the committed check is
     ``benchmarks/kt_out_of_sample.py``'s output on them."""
     result = kt_out_of_sample.check()
@@ -316,7 +316,7 @@ def test_the_plan_says_more_gpus_do_not_make_kt_faster(tmp_path: Path) -> None:
 
 
 def test_each_kt_rank_holds_the_non_expert_weights_whole_and_adds_its_rss(tmp_path: Path) -> None:
-    """The 57B model on 1 / 2 / 4 H200s (docs/benchmarks/multi-gpu) held 5,947 / 6,385 / 6,367 MiB a GPU and a
+    """The 57B model on 1 / 2 / 4 H200s (benchmarks/data/multi-gpu) held 5,947 / 6,385 / 6,367 MiB a GPU and a
     43.1 / 45.0 / 53.7 GiB process tree: a GPU's memory does not fall with more ranks (the micro-batch that is
     split is small beside the weights), and each further rank adds RSS."""
     host = _h100(gpus=8, ram_gib=1536, cores=96, numa=2)

@@ -182,9 +182,9 @@ def test_the_plan_on_a_host_that_ran_kt_is_scaled_by_what_it_measured(tmp_path: 
 
 
 def test_the_device_runs_were_planned_by_this_rule_from_the_runs_before_them() -> None:
-    """docs/benchmarks/kt-throughput/calibration-h200c: three ``ktflow sft`` runs in one store on the H200
+    """benchmarks/data/kt-throughput/calibration-h200c: three ``ktflow sft`` runs in one store on the H200
     host; each later plan is the shipped prediction scaled by what the earlier runs recorded."""
-    runs = json.loads((REPO / "docs/benchmarks/kt-throughput/calibration-h200c/calibrate.json").read_text())["runs"]
+    runs = json.loads((REPO / "benchmarks/data/kt-throughput/calibration-h200c/calibrate.json").read_text())["runs"]
     assert [r["rc"] for r in runs] == [0, 0, 0] and all(r["kt_step"] for r in runs)
     assert UNCALIBRATED in runs[0]["plan_basis"]
     for i, run in enumerate(runs):

@@ -1,6 +1,6 @@
 """gpu_host/kimi_slice.py's harness on the CPU: which adapter a depth converts and serves (the store holds every
 depth's runs), the whole-model plan it saves (``ktflow plan``'s plan_recipe, calibrated from the store), and the
-run.sh steps that call it. The KT runs themselves need the GPU host (docs/benchmarks/kimi-slice)."""
+run.sh steps that call it. The KT runs themselves need the GPU host (benchmarks/data/kimi-slice)."""
 
 from __future__ import annotations
 
@@ -99,9 +99,9 @@ def test_cli_parses(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_seeds_json_is_what_plan_seeds_gives_now(tmp_path: Path) -> None:
-    """docs/benchmarks/kimi-slice/seeds.json is ``kimi_slice.py seeds``'s output with the constants ktflow ships:
+    """benchmarks/data/kimi-slice/seeds.json is ``kimi_slice.py seeds``'s output with the constants ktflow ships:
     rerun it after changing them (the README's seed table quotes it)."""
-    docs = REPO / "docs" / "benchmarks" / "kimi-slice"
+    docs = REPO / "benchmarks" / "data" / "kimi-slice"
     rows = kimi_slice.plan_seeds(docs / "host.json", tmp_path / "hosts")
     assert json.loads((docs / "seeds.json").read_text()) == json.loads(json.dumps({"plans": rows}))
     for row in rows:

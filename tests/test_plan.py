@@ -17,10 +17,10 @@ from ktflow.planning.sizing import ModelSize, estimate_hf_sft_gpu_memory, estima
 from ktflow.recipe import ModelFacts, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-CALIBRATION = json.loads((REPO / "docs/benchmarks/calibration.json").read_text())
+CALIBRATION = json.loads((REPO / "benchmarks/data/calibration.json").read_text())
 GiB, MiB = 1 << 30, 1 << 20
 
-# The legs ktflow's constants are checked against, with the recipe each one ran (docs/benchmarks).
+# The legs ktflow's constants are checked against, with the recipe each one ran (benchmarks/data).
 LEGS = {
     "v2lite-hf": ("benchmarks/recipes/v2-lite-hf.yaml", []),
     "v2lite-kt-default": ("benchmarks/recipes/v2-lite-kt.yaml", []),
@@ -289,10 +289,10 @@ def test_the_plan_shows_what_auto_chose() -> None:
 
 # --------------------------------------------------------------------------- the check on the H100 host
 
-HELD_OUT = REPO / "docs/benchmarks/plan-auto/history"
+HELD_OUT = REPO / "benchmarks/data/plan-auto/history"
 HELD_OUT_RECIPES = {  # leg file prefix -> the recipe and overrides it ran (benchmarks/kt_vs_hf.py)
     "hf-": ("benchmarks/recipes/v2-lite-hf.yaml", []),
-    "ktflow-hf-auto-": ("benchmarks/recipes/v2-lite-hf.yaml", []),  # auto chose hf there (call1.log)
+    "ktflow-hf-auto-": ("benchmarks/recipes/v2-lite-hf.yaml", []),  # auto chose hf there (hf-and-auto.log)
     "kt-tuned-": ("benchmarks/recipes/v2-lite-kt.yaml",
                   ["sft.kt_config.kt_share_backward_bb=false", "sft.kt_cpu_activation=retain"]),
     "kt-": ("benchmarks/recipes/v2-lite-kt.yaml", []),
@@ -302,7 +302,7 @@ HELD_OUT_RECIPES = {  # leg file prefix -> the recipe and overrides it ran (benc
 @pytest.mark.parametrize("result", sorted(p.name for p in HELD_OUT.glob("*.json")))
 def test_predictions_hold_on_runs_no_constant_was_fitted_on(result: str) -> None:
     """The V2-Lite-sized legs run again on a fresh H100 machine on 2026-11-25, after the constants
-    were fitted (docs/benchmarks/plan-auto): the same bounds."""
+    were fitted (benchmarks/data/plan-auto): the same bounds."""
     measured = json.loads((HELD_OUT / result).read_text())
     recipe_file, sets = next(v for k, v in HELD_OUT_RECIPES.items() if result.startswith(k))
     sft = load_recipe(REPO / recipe_file, sets).sft
@@ -326,7 +326,7 @@ def test_predictions_hold_on_runs_no_constant_was_fitted_on(result: str) -> None
 
 def test_auto_reached_the_best_backends_throughput_on_the_h100_host() -> None:
     """Issue 22's bar, on the record: `ktflow sft` with auto against the best of HF / KT default /
-    KT tuned measured on the same machine, medians of the runs made (docs/benchmarks/plan-auto)."""
+    KT tuned measured on the same machine, medians of the runs made (benchmarks/data/plan-auto)."""
     runs: dict[str, list[float]] = {}
     for path in HELD_OUT.glob("*.json"):
         leg = next(k for k in HELD_OUT_RECIPES if path.name.startswith(k)).rstrip("-")
@@ -334,7 +334,7 @@ def test_auto_reached_the_best_backends_throughput_on_the_h100_host() -> None:
     median = {leg: statistics.median(v) for leg, v in runs.items()}
     best = max(median[leg] for leg in ("hf", "kt", "kt-tuned"))
     assert median["ktflow-hf-auto"] >= 0.95 * best, (median, best)
-    tail = REPO / "docs/benchmarks/plan-auto/ktflow-hf-auto-20261125-084334-615202.log.tail"
+    tail = REPO / "benchmarks/data/plan-auto/ktflow-hf-auto-20261125-084334-615202.log.tail"
     assert "sft.backend auto chose hf: the model fits the GPUs" in tail.read_text()
 
 
@@ -393,7 +393,7 @@ def test_without_the_hub_the_plan_says_the_size_is_unknown(tmp_path: Path) -> No
 
 def test_serving_decode_line_reproduces_the_bigger_than_gpu_runs_it_was_fitted_on() -> None:
     """The serve line's decode rate (MoE layers x a per-layer cost + a multiple of the bandwidth floor) gives back
-    the two runs of docs/benchmarks/bigger-than-gpu-served/ it was fitted on (10.89 tokens/s RAWINT4, 9.90 AMXINT8,
+    the two runs of benchmarks/data/bigger-than-gpu-served/ it was fitted on (10.89 tokens/s RAWINT4, 9.90 AMXINT8,
     64 threads, read bandwidth 149.7 GB/s); more MoE layers or bytes a token are slower, never faster."""
     from ktflow.planning.costs import serve_decode_estimate
 
@@ -437,7 +437,7 @@ def test_kv_cache_geometry_matches_the_pool_sglang_kt_allocated_for_the_served_s
     from ktflow.fixtures.stream import KIMI_K25, deepseek_v3_config
     from ktflow.planning.sizing import kv_cache_geometry
 
-    log = (REPO / "docs/benchmarks/kimi-slice/moe3/results/serve-RAWINT4/server.log.tail").read_text()
+    log = (REPO / "benchmarks/data/kimi-slice/moe3/results/serve-RAWINT4/server.log.tail").read_text()
     match = re.search(r"KV Cache is allocated\. #tokens: (\d+), KV size: ([\d.]+) GB", log)
     assert match, "the served slice's log no longer has sglang's KV pool line"
     config = deepseek_v3_config(KIMI_K25.model_copy(update={"layers": 4}), vocab_size=163840, eos_id=0, pad_id=0)

@@ -87,7 +87,7 @@ def write_recipe(tmp_path: Path, model: Path, *, backend: str = "hf", gpus: int 
 
 
 def test_the_estimate_matches_the_gpu_memory_measured_for_deepseek_v2_lite() -> None:
-    """benchmarks/kt_vs_hf.py leg a on the H100 host: 33,277 MiB over idle (README, docs/benchmarks/kt-vs-hf)."""
+    """benchmarks/kt_vs_hf.py leg a on the H100 host: 33,277 MiB over idle (README, benchmarks/data/kt-vs-hf)."""
     from transformers import DeepseekV3ForCausalLM
 
     from ktflow.fixtures.checkpoints import FixtureSpec, _deepseek_v2_lite_config

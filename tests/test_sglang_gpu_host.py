@@ -2,7 +2,7 @@
 serving section whose launch sglang-kt's own parser accepts), the serving bundle builder's pins, trims and
 patches, the serve stage's environment for sglang-kt, and the model view the serve stage gives sglang-kt where a
 transformers-saved config lacks the DeepSeek fields it reads (done by hand with serve_check.py served-model before).
-The serving itself runs on the GPU host (gpu_host/run.sh serve-setup serve-bf16; docs/benchmarks/sglang-serve)."""
+The serving itself runs on the GPU host (gpu_host/run.sh serve-setup serve-bf16; benchmarks/data/sglang-serve)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
   Imports: recipe, resources, host.
 - ``sizing.py``: a checkpoint's size from its config and headers (``ModelSize``), plain SFT's GPU
   memory and KT SFT's GPU memory and RSS. Imports: formats, recipe, resources, units.
-- ``costs.py``: the time model (``CostModel``; KT's step fitted on docs/benchmarks/kt-throughput by
-  benchmarks/kt_step_model.py, the rest on docs/benchmarks/calibration.json). Imports: sizing, units.
+- ``costs.py``: the time model (``CostModel``; KT's step fitted on benchmarks/data/kt-throughput by
+  benchmarks/kt_step_model.py, the rest on benchmarks/data/calibration.json). Imports: sizing, units.
 - ``host_speed.py``: a host's own KT speed: the steady step each KT SFT run records against the time
   model's prediction (``KtStepRecord``), and the factor later plans on that host are scaled by
   (``calibrated_costs``). Imports: costs, sizing, recipe, store.

@@ -2,7 +2,7 @@
 
 KT streams every routed expert through the CPU once per micro-batch pass, so how a recipe splits its
 effective batch (``per_device_train_batch_size x gradient_accumulation_steps``) decides its speed: eight
-micro-batches of one record cost nearly eight times one micro-batch of eight (docs/benchmarks/kt-throughput:
+micro-batches of one record cost nearly eight times one micro-batch of eight (benchmarks/data/kt-throughput:
 49.2 s against 16.1 s a step). :func:`shape_kt_batches` keeps the effective batch and picks the split the
 time model (:func:`~ktflow.planning.costs.kt_step_estimate`) predicts fastest among those whose longest
 micro-batch (``cutoff_len`` x records) fits the GPUs and RAM as the SFT preflight checks them.

@@ -1,10 +1,10 @@
 """How long a stage takes: the time model ``ktflow plan`` and ``sft.backend: auto`` share.
 
-Its constants are fitted on the runs kept in docs/benchmarks, on one host kind: an H100 80GB with a
+Its constants are fitted on the runs kept in benchmarks/data, on one host kind: an H100 80GB with a
 16-core AMX Xeon (one NUMA node). KT SFT's step (:func:`kt_step_estimate`) is fitted by
-``benchmarks/kt_step_model.py`` on docs/benchmarks/kt-throughput (its ``fit.json`` holds the fit, the
+``benchmarks/kt_step_model.py`` on benchmarks/data/kt-throughput (its ``fit.json`` holds the fit, the
 data and every run's residual; tests check the constants here equal what the script fits); plain
-SFT, loading and the other stages on docs/benchmarks/calibration.json.
+SFT, loading and the other stages on benchmarks/data/calibration.json.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class CostModel(BaseModel):
     # tile of tokens, BF16's AMX kernels read them packed. BF16's factor is fitted on calibration.json's
     # V2-Lite BF16 profile (KT's forward and backward timers); formats not listed count as RAWINT4.
     kt_flop_factor_by_format: dict[str, float] = {"rawint4": 1.0, "bf16": 0.5893}
-    # Fitted by benchmarks/kt_step_model.py (docs/benchmarks/kt-throughput/fit.json). Call costs are
+    # Fitted by benchmarks/kt_step_model.py (benchmarks/data/kt-throughput/fit.json). Call costs are
     # kt-kernel's own wrapper time outside its NUMA compute (merges, buffer clears), per call.
     kt_forward_call_s: float = 0.008004
     kt_backward_call_s: float = 0.03729
@@ -87,7 +87,7 @@ class CostModel(BaseModel):
     quantize_bytes_per_core_s: float = 0.14e9
     # KT SFT on several GPUs (sft.gpus > 1, the recipe's batch split over them): tokens/s relative to one GPU.
     # Fitted on the tiny recipes on 2 x H200 (BF16 0.61x, RAWINT4 0.65x); checked on the 57B bigger-than-GPU
-    # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (docs/benchmarks/multi-gpu).
+    # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (benchmarks/data/multi-gpu).
     kt_multi_gpu_speed: float = 0.63
     # Serving (sglang-kt, KT CPU experts, a KT LoRA adapter, CUDA graphs off, triton attention): one sequence's
     # decode at concurrency 1 costs, a token, a fixed time per MoE layer (KT's per-layer hand-off, the layer's GPU
@@ -95,7 +95,7 @@ class CostModel(BaseModel):
     # as the method stores them, read once at the host's read bandwidth). Fitted on the two runs of one device
     # call, exactly (two points, two constants; no run checks them): the bigger-than-GPU Kimi-format model with
     # its adapter on the 4 x H200 host (64 AMX cores, 149.7 / 148.1 GB/s read measured in the same call), 7 MoE
-    # layers, top-8: RAWINT4 1.39 GB a token, 91.8 ms; AMXINT8 2.47 GB, 101.0 ms (docs/benchmarks/
+    # layers, top-8: RAWINT4 1.39 GB a token, 91.8 ms; AMXINT8 2.47 GB, 101.0 ms (benchmarks/data/
     # bigger-than-gpu-served, 3 requests each; those requests stopped at EOS after 3-50 tokens).
     serve_decode_layer_s: float = 0.01147
     serve_decode_floors: float = 1.243
@@ -146,7 +146,7 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
              f"{read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s predicted "
              f"({size.moe_layers} MoE layers x {costs.serve_decode_layer_s * 1e3:.1f} ms + "
              f"{costs.serve_decode_floors:.2f} floors a token: fitted on one call's two runs on the 4 x H200 host, "
-             "CUDA graphs off; not checked on another host or model; docs/benchmarks/bigger-than-gpu-served)")
+             "CUDA graphs off; not checked on another host or model; benchmarks/data/bigger-than-gpu-served)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
                           floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
                           basis=basis)

@@ -244,7 +244,7 @@ class KtSftMemoryEstimate(BaseModel):
     rss_why: str
 
 
-# Measured on the H100 + 16-core AMX host (docs/benchmarks/calibration.json, "host_rss" and
+# Measured on the H100 + 16-core AMX host (benchmarks/data/calibration.json, "host_rss" and
 # "gpu_memory"): the KT process's own footprint (tiny legs: 3.07-3.13 GiB RSS; 1,445 MiB of GPU:
 # CUDA context, KT's buffers), and RSS per byte of non-expert BF16 weights (the model loaded on
 # the CPU, FSDP's copy and the optimizer: 2.5-3.6 per leg).
@@ -255,7 +255,7 @@ _KT_NON_EXPERT_RSS_FACTOR = 3
 
 class KtMemoryModel(BaseModel):
     """How KT SFT's GPU memory and RSS grow with the tokens of a micro-batch, fitted by
-    benchmarks/kt_step_model.py on docs/benchmarks/kt-throughput (``fit.json``; tests check the
+    benchmarks/kt_step_model.py on benchmarks/data/kt-throughput (``fit.json``; tests check the
     defaults equal its fit)."""
 
     # GPU without gradient checkpointing: bytes per token, decoder layer and hidden unit (the routed
@@ -272,7 +272,7 @@ KT_MEMORY = KtMemoryModel()
 """The memory constants ktflow plans with."""
 
 # KT on several GPUs (sft.gpus > 1): what each rank adds. The 57B bigger-than-GPU model on 1 / 2 / 4 H200s
-# (docs/benchmarks/multi-gpu) held 5,947 / 6,385 / 6,367 MiB a GPU: the non-expert weights are not divided over the
+# (benchmarks/data/multi-gpu) held 5,947 / 6,385 / 6,367 MiB a GPU: the non-expert weights are not divided over the
 # ranks (each holds them whole) and a rank adds ~0.4 GiB (NCCL's buffers); the process tree's RSS grew 43.1 / 45.0 /
 # 53.7 GiB: 3.5 GiB a further rank (fitted on those three runs, the 2-GPU one 1.6 GiB over; no other run checks it).
 _KT_RANK_GPU_BYTES = 430 << 20
@@ -280,7 +280,7 @@ _KT_RANK_RSS_BYTES = int(3.53 * GiB)
 
 
 # Said where BF16 experts are kept twice: the setting that keeps one copy, at its measured price
-# (docs/benchmarks/kt-throughput/out-of-sample: V2-Lite size, 4 x 256 tokens: RSS -40 %, step +14 %).
+# (benchmarks/data/kt-throughput/out-of-sample: V2-Lite size, 4 x 256 tokens: RSS -40 %, step +14 %).
 _SECOND_COPY = (" (a second, transposed BF16 copy: kt_share_backward_bb false; sft.kt_config.kt_share_backward_bb: "
                 "true keeps one, measured at -40 % RSS for +14 % step time)")
 
@@ -305,7 +305,7 @@ def estimate_kt_sft_memory(size: ModelSize, sft: SftConfig, memory: KtMemoryMode
     tokens). GPU: the non-expert BF16 weights (with FSDP offload only the embeddings, lm_head and
     two layers are resident at once; without it, ~1 GiB more at any length, fitted), LoRA state,
     the longest micro-batch's activations and logits, and KT's fixed 1,445 MiB. Token slopes are
-    fitted on docs/benchmarks/kt-throughput (:class:`KtMemoryModel`), the rest on calibration.json's legs.
+    fitted on benchmarks/data/kt-throughput (:class:`KtMemoryModel`), the rest on calibration.json's legs.
     """
     bf16_experts = (sft.kt_config.effective_weight_format if sft.kt_config else "bf16") == "bf16"
     share_bb = kt_share_backward_bb(sft)
