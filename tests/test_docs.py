@@ -104,3 +104,98 @@ def test_no_internal_issue_numbers_where_users_read() -> None:
     found = [f"{page.relative_to(REPO)}:{n}: {line.strip()}" for page in pages
              for n, line in enumerate(page.read_text().splitlines(), 1) if reference.search(line)]
     assert not found, "internal issue numbers:\n" + "\n".join(found)
+
+
+# The workshop's words, which a user has no use for: how a result was obtained (sessions, device calls and their
+# time, files carried to a machine, machines lent or withheld, budgets, issue items, "the seeds") and results
+# named by date. Each pattern is narrow enough to leave ordinary words alone: "a function call", "carry out",
+# "the session fixture", "a RAM budget", "random seeds", "the adapter is withheld".
+WORKSHOP_WORDS = {
+    "a session": re.compile(r"(?<!pytest )\bsessions?\b(?![- ](?:fixtures?|scoped?)\b)", re.I),
+    "a device call or device time": re.compile(r"\bdevice[- ](?:calls?|time|tool|machines?|kinds?)\b", re.I),
+    "a numbered call": re.compile(r"\bcalls? \d+", re.I),
+    "a call as a unit of work": re.compile(
+        r"\b(?:this|that|each|every|one|later|first|second|third|next|same|previous|earlier|two|three|four|five"
+        r"|serving|training)[- ]calls?\b(?! (?:to|of|for|into)\b)", re.I),
+    "files carried to a machine": re.compile(r"\bcarr(?:y|ied)\b\s*(?:`|build/|\||:)|\|\s*carry\s*\|", re.I),
+    "a machine lent or withheld": re.compile(
+        r"\b(?:hosts?|machines?|kinds?)\b[^.]{0,30}\b(?:lent|withheld)\b|\b(?:lent|withheld)\b[^.]{0,30}"
+        r"\b(?:hosts?|machines?|kinds?)\b", re.I),
+    "a budget of device time": re.compile(r"\b(?:session's|device[- ]time|call's) budget\b|\bbudget_left", re.I),
+    "an issue or its items": re.compile(r"\bissues?\s*#?\d+|\bissue \"|\bitems? \d+\b", re.I),
+    "the seeds": re.compile(r"\bseeds'|\bthe seeds\b", re.I),
+    "a date": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
+}
+
+_WORKSHOP_CASES = {
+    "a session": (["the session's budget", "a later session", "sessions"],
+                  ["the session fixture `setup`", "the session-scoped cluster", "a pytest session"]),
+    "a device call or device time": (["device time: 1,643 s", "one device call per phase"], ["the device's memory"]),
+    "a numbered call": (["calls 8-9", "in call 1"], ["recall 1", "call the API"]),
+    "a call as a unit of work": (["one call each", "two calls on one warm machine"],
+                                 ["a function call", "each call to the server", "the first call of a run"]),
+    "files carried to a machine": (["carry `build/gpu-host/parts`", "| # | command | carry |"],
+                                   ["carry out", "configs carry them", "what tuning can carry to unseen prompts"]),
+    "a machine lent or withheld": (["the 4-GPU host was withheld", "every GPU host lent so far"],
+                                   ["it fails when the adapter is withheld"]),
+    "a budget of device time": (["the session's budget went from 1,800 s"], ["within a RAM budget"]),
+    "an issue or its items": (['issue "A slice of Kimi-K2.5"', "item 5", "issue 23"], ["an issue with the driver"]),
+    "the seeds": (["the seeds' hosts"], ["3 seeds each", "random seeds"]),
+    "a date": (["measured on 2026-11-25"], ["kt-20261125-084606-629840.json"]),
+}
+
+
+def _user_texts() -> list[tuple[str, str]]:
+    """(where, text) of everything a user reads: README, the site's pages, the GPU-host and benchmark READMEs
+    (raw data's file lists included), the comments of the shipped recipes, and what the CLI prints (every
+    command's help, and the texts the plan is made of)."""
+    import ast
+
+    from ktflow.cli import build_parser
+
+    texts: list[tuple[str, str]] = []
+    pages = [REPO / "README.md", REPO / "gpu_host/README.md", *sorted((REPO / "docs").rglob("*.md")),
+             *sorted((REPO / "benchmarks").rglob("README.md"))]
+    for page in pages:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            texts.append((f"{page.relative_to(REPO)}:{n}", line))
+    for recipe in sorted([*(REPO / "recipes").glob("*.yaml"), *(REPO / "gpu_host").glob("*.yaml")]):
+        for n, line in enumerate(recipe.read_text().splitlines(), 1):
+            if "#" in line:
+                texts.append((f"{recipe.relative_to(REPO)}:{n}", line[line.index("#"):]))
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        texts.append((f"ktflow {name} --help".replace("  ", " "), parser.format_help()))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    walk(sub, f"{name} {sub_name}".strip())
+
+    walk(build_parser(), "")
+    for module in [REPO / "ktflow/plan.py", *sorted((REPO / "ktflow/planning").glob("*.py"))]:
+        tree = ast.parse(module.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                texts.append((f"{module.relative_to(REPO)}:{node.lineno} (printed by ktflow plan)", node.value))
+    return texts
+
+
+def test_the_workshop_word_patterns_catch_what_they_mean_and_nothing_else() -> None:
+    assert set(_WORKSHOP_CASES) == set(WORKSHOP_WORDS)
+    for name, (caught, left_alone) in _WORKSHOP_CASES.items():
+        for text in caught:
+            assert WORKSHOP_WORDS[name].search(text), (name, text)
+        for text in left_alone:
+            assert not WORKSHOP_WORDS[name].search(text), (name, text)
+
+
+def test_what_users_read_speaks_of_the_product_not_of_how_it_was_built() -> None:
+    """README, the site, the GPU-host and benchmark READMEs, recipe comments and the CLI's output name hardware,
+    commands and results, never the sessions, device calls, carried files, lent machines, budgets or issue items
+    of the work that produced them; results are named by what they measure, not by date."""
+    found = [f"{where}: [{name}] {text.strip()[:160]}" for where, text in _user_texts()
+             for name, pattern in WORKSHOP_WORDS.items() if pattern.search(text)]
+    assert not found, "workshop words where users read:\n" + "\n".join(found)

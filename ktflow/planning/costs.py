@@ -145,7 +145,7 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
     basis = (f"decode at concurrency 1: {active / 1e9:.2f} GB of routed experts a token ({method}) read at "
              f"{read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s predicted "
              f"({size.moe_layers} MoE layers x {costs.serve_decode_layer_s * 1e3:.1f} ms + "
-             f"{costs.serve_decode_floors:.2f} floors a token: fitted on one call's two runs on the 4 x H200 host, "
+             f"{costs.serve_decode_floors:.2f} floors a token: fitted on the 57B model's two runs on the 4 x H200 host, "
              "CUDA graphs off; not checked on another host or model; benchmarks/data/bigger-than-gpu-served)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
                           floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
