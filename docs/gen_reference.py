@@ -6,8 +6,8 @@ A committed page holds a marker where generated content goes, so it reads on Git
   from the pydantic model ``ktflow.recipe.Recipe`` (so the reference cannot drift from the code);
 - ``<!-- ktflow:cli-reference -->``: every ``ktflow`` command with its usage and arguments, from the argparse
   parser ``ktflow.cli.build_parser``;
-- ``<!-- ktflow:stage-example -->``: the stage a contributor copies, taken from README.md, where
-  tests/test_runner.py runs it as written;
+- ``<!-- ktflow:stage-example -->``: the stage a contributor copies, taken from docs/contributing.md,
+  where tests/test_runner.py runs it as written;
 - ``<!-- ktflow:figure NAME -->``: a chart drawn (SVG) from the data under benchmarks/data.
 
 A marker the hook does not know, or a page that names a figure with no data, fails the build.
@@ -227,11 +227,11 @@ def _slug(heading: str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 def stage_example() -> str:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    heading = "## Architecture: one stage runner"
-    if heading not in readme or "```python\n" not in readme.split(heading, 1)[1]:
-        raise ValueError(f"README.md has no python block under {heading!r} (tests/test_runner.py runs it from there)")
-    code = readme.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    page = (DOCS / "contributing.md").read_text(encoding="utf-8")
+    heading = "## A stage to copy"
+    if heading not in page or "```python\n" not in page.split(heading, 1)[1]:
+        raise ValueError(f"docs/contributing.md has no python block under {heading!r} (tests/test_runner.py runs it)")
+    code = page.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     return f"```python\n{code}```"
 
 
