@@ -71,6 +71,7 @@ class StoreLayout:
         weights/<source>            download: a hub snapshot (<repo>@<sha>...) or a local copy's revision
         bf16/<checkpoint digest>    dequantize
         int8/<bf16 name>-tp<T>      quantize-int8
+        merged/<base>-<adapter>-<method>  merge: an adapter folded into its base, as a method serves it
         datasets/<name>-<digest>    the dataset as LlamaFactory reads it
         runs/<recipe>-<key>         an SFT run: checkpoints, logs, the adapter
         adapters/<sft digest[:16]>  convert-lora: the adapter a server loads
@@ -92,6 +93,10 @@ class StoreLayout:
 
     def int8(self, name: str) -> Path:
         return self.root / "int8" / name
+
+    def merged(self, name: str) -> Path:
+        """A merge (:func:`ktflow.stages.merge.merged_dir_name`: base + adapter + method digests)."""
+        return self.root / "merged" / name
 
     def dataset(self, name: str) -> Path:
         return self.root / "datasets" / name

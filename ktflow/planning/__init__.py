@@ -13,6 +13,8 @@
 - ``batch_shape.py``: tokens per record from the dataset, tokens per micro-batch, and the micro-batch
   split KT trains fastest that fits (``shape_kt_batches``), each at this host's own speed.
   Imports: costs, host_speed, sizing, recipe, resources, formats.
+- ``merge_cost.py``: what the merge stage costs by output method (time, disk, peak RAM), from the other
+  stages' measured rates until merges are timed. Imports: costs, sizing, units.
 
 This package sits below the stages (they size and time their work with its models) and never imports
 one, not even inside a function. What puts a whole plan together from the stages' own declarations
