@@ -101,4 +101,4 @@ def add_host_commands(add: _Add) -> None:
     q.set_defaults(func=cmd_dataset_publish)
     q.add_argument("path", metavar="PATH", help="the new dataset file")
     q.add_argument("--recipe", required=True, metavar="FILE", help="the recipe to retrain with it")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--json", action="store_true", help="print one JSON document")

@@ -270,12 +270,12 @@ def _print_side_by_side(report_json: Path) -> None:
 def add_planning_commands(add: _Add) -> None:
     """Probe the host and plan a recipe on it: doctor, plan."""
     p = add("doctor", cmd_doctor, "probe this host; with --recipe, say which stages it can run")
-    p.add_argument("--recipe", metavar="FILE")
+    p.add_argument("--recipe", metavar="FILE", help="a recipe YAML file: also say which of its stages this host can run")
     _add_set(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = add("plan", cmd_plan, "predict each stage's disk, RAM, GPU memory, GPUs and time on a host, and what fits")
-    p.add_argument("recipe", metavar="RECIPE")
+    p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/)")
     _add_set(p)
     p.add_argument("--host", metavar="FILE", help="plan for the host `ktflow doctor --json` described in FILE")
     p.add_argument("--json", action="store_true", help="print one JSON document")

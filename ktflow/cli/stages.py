@@ -262,14 +262,18 @@ def _print_int8(result) -> None:
 
 def add_checkpoint_commands(add: _Add) -> None:
     """Checkpoint tools: fixture, inspect."""
-    p = add("fixture", cmd_fixture, "write a tiny random MoE checkpoint in a real model's format")
-    p.add_argument("kind", choices=FIXTURE_KINDS)
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--layers", type=_positive_int, default=3)
-    p.add_argument("--experts", type=_positive_int, default=8)
-    p.add_argument("--hidden", type=_positive_int, default=256)
-    p.add_argument("--moe-intermediate", type=_positive_int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p = add("fixture", cmd_fixture, "write a random MoE checkpoint in a real model's format: tiny by default, "
+            "or at full width (--full-size, --size) up to a 57B model or a slice of Kimi-K2.5")
+    p.add_argument("kind", choices=FIXTURE_KINDS, metavar="KIND",
+                   help=f"the model whose checkpoint format it imitates: {', '.join(FIXTURE_KINDS)}")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write the checkpoint into")
+    p.add_argument("--layers", type=_positive_int, default=3,
+                   help="decoder layers, the first one dense (default 3); with --size slice, Kimi-K2.5's first N")
+    p.add_argument("--experts", type=_positive_int, default=8, help="routed experts in each MoE layer (default 8)")
+    p.add_argument("--hidden", type=_positive_int, default=256, help="hidden size (default 256)")
+    p.add_argument("--moe-intermediate", type=_positive_int, default=128,
+                   help="each expert's intermediate size (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights: one seed, one checkpoint (default 0)")
     p.add_argument("--full-size", action="store_true",
                    help="deepseek-v2-lite only: the real model's dimensions (15.7B parameters, 31 GB on disk)")
     p.add_argument("--architecture", choices=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
@@ -283,8 +287,8 @@ def add_checkpoint_commands(add: _Add) -> None:
                         "streamed one layer per shard")
 
     p = add("inspect", cmd_inspect, "detect a checkpoint's format and validate its files")
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint folder")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
 def add_stage_commands(add: _Add) -> None:
@@ -293,8 +297,8 @@ def add_stage_commands(add: _Add) -> None:
     _add_recipe(p)
 
     p = add("dequantize", cmd_dequantize, "INT4/FP8 -> BF16, streaming and bit-exact")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
+    p.add_argument("src", metavar="SRC", help="the INT4 (compressed-tensors) or FP8 checkpoint folder")
+    p.add_argument("dst", metavar="DST", help="the folder to write the BF16 checkpoint into")
     p.add_argument("--workers", type=_positive_int, help="tensors decoded in parallel (default: physical cores)")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing each shard")
 
@@ -304,19 +308,22 @@ def add_stage_commands(add: _Add) -> None:
     p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object")
 
     p = add("convert-lora", cmd_convert_lora, "convert/validate an adapter for SGLang")
-    p.add_argument("adapter_dir", metavar="ADAPTER_DIR")
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--base", required=True, metavar="MODEL_DIR")
+    p.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="the adapter the sft stage published")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write the converted adapter into")
+    p.add_argument("--base", required=True, metavar="MODEL_DIR",
+                   help="the base checkpoint the adapter was trained on: every tensor is checked against it")
     p.add_argument("--serve-python", default=".venv-serve/bin/python", metavar="PYTHON",
                    help="python of the serving toolchain (kt-kernel), for KT fused adapters")
     p.add_argument("--lora-alpha", type=float, help="only for adapters whose config lacks lora_alpha")
 
-    p = add("quantize-int8", cmd_quantize_int8, "BF16 experts -> kt-kernel AMXINT8 CPU weights")
-    p.add_argument("bf16_dir", metavar="BF16_DIR")
-    p.add_argument("out_dir", metavar="OUT_DIR")
+    p = add("quantize-int8", cmd_quantize_int8, "BF16 or Kimi INT4 experts -> kt-kernel AMXINT8 CPU weights")
+    p.add_argument("bf16_dir", metavar="SOURCE_DIR",
+                   help="a BF16 checkpoint, or a Kimi-K2/K2.5 INT4 checkpoint as released (its experts decoded in "
+                        "memory: no BF16 copy on disk); FP8 goes through dequantize first")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write the AMXINT8 weights into")
     p.add_argument("--threadpool-count", type=_positive_int, required=True, metavar="T",
                    help="NUMA thread pools; serve with the same --kt-threadpool-count")
     p.add_argument("--workers", type=_positive_int, help="CPU threads for kt-kernel (default: physical cores)")
     p.add_argument("--serve-python", default=".venv-serve/bin/python", metavar="PYTHON",
                    help="python of the serving toolchain (kt-kernel)")
-    p.add_argument("--no-fsync", action="store_true")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing each layer")
