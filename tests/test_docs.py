@@ -255,7 +255,7 @@ def test_the_stages_reference_says_what_the_cli_says() -> None:
     sections = dict(re.findall(r"^## (\S+)\n(.*?)(?=^## |\Z)", page, re.S | re.M))
     command_of = {"evaluate": "eval"}
     stage_commands = {"download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "eval", "fixture"}
-    assert {command_of.get(h, h) for h in sections} == stage_commands
+    assert stage_commands <= {command_of.get(h, h) for h in sections} <= set(commands), sorted(sections)
     for heading, text in sections.items():
         command = command_of.get(heading, heading)
         assert f"`ktflow {command}`: {helps[command]}." in text, (heading, helps[command])
