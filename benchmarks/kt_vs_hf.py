@@ -148,11 +148,9 @@ def child_toolchain() -> dict[str, Any]:
 
 def child_prepare_data(recipe_file: Path, overrides: list[str], dataset_dir: Path) -> None:
     """Publish the recipe's dataset where its rendered plan reads it, as ``ktflow sft`` would."""
-    from ktflow.cli import project_dir_of
     from ktflow.formats.dataset import prepare_dataset
     from ktflow.recipe import load_recipe
 
-    os.chdir(project_dir_of(recipe_file))
     recipe = load_recipe(recipe_file, overrides)
     model_dir = recipe.source.local_path.absolute() if recipe.source.local_path else None
     prepare_dataset(recipe.dataset, dataset_dir, template=recipe.sft.template, model_dir=model_dir)

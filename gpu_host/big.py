@@ -657,14 +657,12 @@ def phase_serve_prep(work: Work) -> int:
 
 def child_serve_prep(sets_json: str, serve_recipe: str) -> int:
     """In the toolchain: ``ktflow serve``'s own preparation (ktflow.cli.serving.cmd_serve up to the launch)."""
-    from ktflow.cli import project_dir_of
     from ktflow.cli.serving import _served_adapter
     from ktflow.recipe import load_recipe
     from ktflow.stages.promotion import serving_dir
-    from ktflow.stages.serve.sglang_inputs import sglang_inputs
+    from ktflow.stages.serve.sglang.inputs import sglang_inputs
     from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
 
-    os.chdir(project_dir_of(Path(serve_recipe)))
     recipe = load_recipe(Path(serve_recipe), json.loads(sets_json))
     timings: dict[str, float] = {}
     started = time.perf_counter()

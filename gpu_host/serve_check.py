@@ -8,8 +8,8 @@
         Start the recipe's endpoint through ktflow's serve stage (``--via stage``: ktflow.stages.serve.serve()
         with these paths; ``--via cli``: ``ktflow serve R``, which finds the trained adapter in the recipe's
         store and converts it, and for AMXINT8 runs quantize-int8 itself; M, W and A are then only what the
-        queries read the tokenizer from), i.e. the argv ktflow.stages.sglang_launch renders, health-gated and
-        smoke-tested, with what the serve stage prepares for sglang-kt (ktflow.stages.serve.sglang_inputs:
+        queries read the tokenizer from), i.e. the argv ktflow.stages.serve.sglang.launch renders, health-gated and
+        smoke-tested, with what the serve stage prepares for sglang-kt (ktflow.stages.serve.sglang.inputs:
         the language-model view of a Kimi-K2.5 checkpoint whose vision part sglang-kt cannot build, the
         DeepSeek-V3 config fields a transformers-saved config lacks, kt-kernel's .kt layout of AMXINT8
         experts served with an expert LoRA; done here by hand before, with the ``served-model`` and
@@ -277,12 +277,10 @@ def _leftovers(marker_pids: set[int]) -> list[dict]:
 
 
 def _load_recipe_with_key(recipe_path: Path, sets: list[str]) -> tuple[Any, str]:
-    """The recipe as ktflow's CLI loads it (from its project folder: its relative paths mean that folder's)
+    """The recipe as ktflow's CLI loads it (its relative paths read against its project folder)
     and the server's API key, put into the recipe's key variable for the servers and `ktflow` commands started."""
-    from ktflow.cli import project_dir_of
     from ktflow.recipe import load_recipe
 
-    os.chdir(project_dir_of(recipe_path))
     recipe = load_recipe(recipe_path, sets)
     key = os.environ.get(recipe.serving.api_key_env) or secrets.token_urlsafe(24)
     os.environ[recipe.serving.api_key_env] = key
@@ -350,7 +348,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except Exception:  # noqa: BLE001
             pass
         # the tokenizer as the server read it: the model view the serve stage made, if it made one
-        from ktflow.stages.serve.sglang_inputs import sglang_model_view
+        from ktflow.stages.serve.sglang.inputs import sglang_model_view
         served_dir = sglang_model_view(Path(args.model), record_dir, create=False)
         results["served_model_dir"] = str(served_dir)
         results["queries"] = _queries(recipe, endpoint.url, key, served_dir if served_dir.is_dir() else args.model,
@@ -492,9 +490,8 @@ def cmd_promotion(args: argparse.Namespace) -> int:
     """
     from ktflow.cli.serving import _production_weights, _served_adapter
     from ktflow.demo import STYLE_MARKER
-    from ktflow.stages.evaluate import temporary_server
     from ktflow.stages.promotion import judge_candidate, register_adapter, registry_of, serving_dir
-    from ktflow.stages.serve import read_endpoint
+    from ktflow.stages.serve import read_endpoint, temporary_server
     from ktflow.stages.sft import locate_adapter
 
     out_dir = Path(args.out).absolute()

@@ -242,8 +242,7 @@ def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size
     """How a candidate is judged on ``host`` (``evaluation.candidate`` or the choice from its memory),
     what that costs beside production (the serve stage's own declaration of a candidate), and what
     each of the three modes would cost there (``candidate_prices``)."""
-    from ktflow.stages.promotion import choose_candidate_mode
-    from ktflow.stages.serve import ServeSizes
+    from ktflow.stages.serve import ServeSizes, choose_candidate_mode
 
     sizes = ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size))
     choice = choose_candidate_mode(recipe, sizes, host, production_running=False)

@@ -24,10 +24,16 @@ from ktflow.host import hardware
 from ktflow.host.hardware import HostInfo, variant_at_least
 from ktflow.units import GiB, gib
 
-StageName = Literal["download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate"]
+StageName = Literal["download", "dequantize", "sft", "convert-lora", "quantize-int8", "merge", "serve", "evaluate"]
 STAGE_ORDER: tuple[StageName, ...] = (
     "download", "dequantize", "sft", "convert-lora", "quantize-int8", "serve", "evaluate",
 )
+# The names the artifact stages write into their manifests (``StageManifest.stage``): a module that checks what a
+# directory holds names it from here, without importing the stage that made it.
+DOWNLOAD_STAGE: StageName = "download"
+DEQUANTIZE_STAGE: StageName = "dequantize"
+CONVERT_LORA_STAGE: StageName = "convert-lora"
+QUANTIZE_INT8_STAGE: StageName = "quantize-int8"
 
 """``progress(done, total)`` in the stage's own unit (bytes, layers, steps)."""
 

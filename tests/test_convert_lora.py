@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ktflow.errors import AdapterError, KtflowError
-from ktflow.stages.convert_lora import convert_lora, validate_adapter
+from ktflow.formats.adapter import validate_adapter
+from ktflow.stages.convert_lora import convert_lora
 from ktflow.store import read_manifest, staging_dir_for
 
 REPO = Path(__file__).resolve().parent.parent

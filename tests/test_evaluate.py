@@ -324,7 +324,7 @@ def test_promotion_is_never_granted_to_a_model_short_of_the_gate(
         overrides.append(f"evaluation.gate_metric={gate}")
     recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes/tiny-demo.yaml", overrides)
     if not gate:
-        recipe.evaluation.gate_metric = None
+        recipe = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(update={"gate_metric": None})})
     result = evaluate_base_vs_tuned(recipe, model_dir=tmp_path, tuned_url=stub.url, tuned_model="tiny-demo:tuned",
                                     api_key=KEY, out_dir=tmp_path / "eval", base_url=stub.url, base_model="tiny-demo")
     gain = result.tuned.metrics["rouge-l"] - result.base.metrics["rouge-l"]

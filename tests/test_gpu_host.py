@@ -167,7 +167,7 @@ def test_transposed_expert_lora_is_refused_by_convert_lora_validation(results: P
     from safetensors.torch import load_file, save_file
 
     from ktflow.errors import AdapterError
-    from ktflow.stages.convert_lora import validate_adapter
+    from ktflow.formats.adapter import validate_adapter
 
     converted = BUILD / "store" / "converted" / name
     if not converted.is_dir():

@@ -486,8 +486,8 @@ def test_the_serve_preflight_says_the_kv_pool_is_unbounded_until_max_total_token
                      num_layers=48, vocab_size=151936, linear_shapes={}, kv_bytes_per_token=98304)
     unbounded = serve_needs(recipe, ServeSizes(model=size)).gpu
     assert unbounded is not None and "serving.max_total_tokens" in unbounded.why
-    recipe.serving.gpus = 2
-    recipe.serving.max_total_tokens = 10_000
+    recipe = recipe.model_copy(update={"serving": recipe.serving.model_copy(update={"gpus": 2,
+                                                                                   "max_total_tokens": 10_000})})
     bounded = serve_needs(recipe, ServeSizes(model=size)).gpu
     assert bounded is not None and "KV pool of 10,000 tokens" in bounded.why
     assert bounded.bytes == 2 * 2_000_000_000 // 2 + 10_000 * 98304 // 2  # per-head KV: split over the 2 ranks

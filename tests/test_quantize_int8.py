@@ -524,7 +524,7 @@ def test_the_kt_layout_the_serve_stage_writes_is_kt_kernels_own_and_amxint8_sft_
     from safetensors.torch import save_file
 
     from ktflow.recipe import load_recipe
-    from ktflow.stages.serve.sglang_inputs import KT_LAYOUT_STAGE, sglang_kt_weights
+    from ktflow.stages.serve.sglang.inputs import KT_LAYOUT_STAGE, sglang_kt_weights
 
     src = fixture_dir("bf16")  # 3 layers (0 dense), 8 experts, hidden 256, moe_intermediate 128
     out = tmp_path / "int8"

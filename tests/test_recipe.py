@@ -315,7 +315,7 @@ def test_extra_args_cannot_override_owned_arguments() -> None:
         ("serving.max_running_requests=1", "serving.max_running_requests: must be >= 2 for KT LoRA serving (got 1)"),
         ("serving.gpus=0", "serving.gpus: backend 'sglang' needs at least one GPU"),
         ("serving.kt_method=AMXINT4", "serving.kt_method"),
-        ("serving.extra_args=[--pp-size=2]", "serving.extra_args: may not set --pp-size=2"),
+        ("serving.extra_args=[--pp-size=2]", "serving.extra_args: --pp-size=2 is a flag ktflow sets or refuses"),
         ("serving.api_key_env=my key", "serving.api_key_env"),
     ],
 )

@@ -120,7 +120,7 @@ def _sizes(parameters: int, kt_weight_bytes: int = 0):
 ])
 def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recipe, ram_gib, running, mode,
                                                                              says) -> None:
-    from ktflow.stages.promotion import choose_candidate_mode
+    from ktflow.stages.serve import choose_candidate_mode
 
     recipe = load_recipe(REPO / f"recipes/{recipe}.yaml")
     choice = choose_candidate_mode(recipe, _sizes(4 * GiB, 40 * GiB), _host(ram_gib), production_running=running)
@@ -132,7 +132,7 @@ def test_unset_candidate_mode_is_chosen_from_the_hosts_memory_and_says_why(recip
 
 
 def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
-    from ktflow.stages.promotion import choose_candidate_mode
+    from ktflow.stages.serve import choose_candidate_mode
 
     recipe = load_recipe(REPO / "recipes/tiny-demo.yaml", ["evaluation.candidate=beside"])
     choice = choose_candidate_mode(recipe, _sizes(4 * GiB), _host(6), production_running=True)
@@ -152,7 +152,7 @@ def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
 ])
 def test_a_second_sglang_kt_server_must_fit_the_gpu_memory_production_leaves(overrides, vram_gib, fits,
                                                                               says) -> None:
-    from ktflow.stages.promotion import candidate_prices
+    from ktflow.stages.serve import candidate_prices
 
     recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", overrides)
     host = _host(4096, gpus=4 if vram_gib else 0, vram_gib=vram_gib)
@@ -234,7 +234,7 @@ def test_sglang_judges_a_candidate_under_a_second_adapter_name_and_unloads_it(tm
 
 def test_a_candidate_sglang_refuses_to_load_changes_nothing(tmp_path: Path) -> None:
     from ktflow.errors import EvaluationError
-    from ktflow.stages.evaluate import dynamic_adapter
+    from ktflow.stages.serve import dynamic_adapter
 
     key = KEY
     fake = _sglang_with_production()

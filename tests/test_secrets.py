@@ -21,10 +21,11 @@ import yaml
 from hubserver import FakeHub, FakeRepo
 
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, RecipeError
+from ktflow.formats.adapter import validate_adapter
 from ktflow.recipe import ServingConfig, load_recipe, recipe_from_mapping
-from ktflow.stages.convert_lora import convert_lora, validate_adapter
+from ktflow.stages.convert_lora import convert_lora
 from ktflow.stages.serve import API_KEY_FILE, render_llamafactory_api, resolve_api_key
-from ktflow.stages.sglang_launch import is_loopback
+from ktflow.stages.serve.sglang.launch import is_loopback
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -145,7 +146,7 @@ def test_the_key_is_not_in_the_rendered_server_config(tmp_path: Path, monkeypatc
 
 def test_a_non_loopback_sglang_server_without_a_key_is_refused(tmp_path: Path) -> None:
     from ktflow.host.hardware import GpuInfo, probe_host
-    from ktflow.stages.sglang_launch import render_sglang_launch
+    from ktflow.stages.serve.sglang.launch import render_sglang_launch
 
     recipe = load_recipe(RECIPES / "qwen3-30b-a3b-bf16.yaml", ["serving.host=0.0.0.0"])
     host = probe_host(tmp_path).model_copy(update={"gpus": [GpuInfo(index=0, name="g", vram_bytes=1)]})

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
-from ktflow.recipe import load_recipe
-from ktflow.stages.serve.sglang_inputs import ROUTING_FIELDS, model_view_plan, sglang_model_view
-from ktflow.stages.sglang_launch import OWNED_FLAGS, SERVER_ENV_DEFAULTS, render_sglang_launch
+from ktflow.recipe import OWNED_FLAGS, load_recipe
+from ktflow.stages.serve.sglang.inputs import ROUTING_FIELDS, model_view_plan, sglang_model_view
+from ktflow.stages.serve.sglang.launch import SERVER_ENV_DEFAULTS, render_sglang_launch
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_HOST = REPO / "gpu_host"
@@ -103,7 +103,7 @@ def test_serve_stage_gives_sglang_kt_the_checkpoints_own_config(monkeypatch, fix
     """sglang-kt 0.7.2 swaps a DeepSeek-family config.json for a packaged DeepSeek-V4 one unless told not to."""
     from test_sglang_launch import fake_host
 
-    from ktflow.stages.serve.sglang import _sglang_launch
+    from ktflow.stages.serve.sglang import BACKEND
 
     assert SERVER_ENV_DEFAULTS == {"SGLANG_APPLY_CONFIG_BACKUP": "none"}
     adapter = tmp_path / "adapter"
@@ -114,7 +114,7 @@ def test_serve_stage_gives_sglang_kt_the_checkpoints_own_config(monkeypatch, fix
     monkeypatch.setenv("KTFLOW_API_KEY", "k" * 32)
     for overrides, expected in (([], "none"), (["toolchains.serve.env.SGLANG_APPLY_CONFIG_BACKUP=auto"], "auto")):
         r = load_recipe(SERVE_RECIPE, [f"toolchains.serve.python={sys.executable}", *overrides])
-        launch = _sglang_launch(r, model_dir=model, adapter_dir=adapter, kt_weight_dir=model, record_dir=tmp_path,
+        launch = BACKEND.launch(r, model_dir=model, adapter_dir=adapter, kt_weight_dir=model, record_dir=tmp_path,
                                 port=r.serving.port, host=fake_host(cores=16, gpus=1, numa=1))
         assert launch.env["SGLANG_APPLY_CONFIG_BACKUP"] == expected
 
@@ -193,7 +193,7 @@ def test_the_serve_stage_adds_the_deepseek_v3_fields_a_transformers_saved_config
     stage gives it a view of the checkpoint with them added, nothing else changed, made once in the record dir."""
     from test_sglang_launch import fake_host
 
-    from ktflow.stages.serve.sglang import _sglang_launch
+    from ktflow.stages.serve.sglang import BACKEND
 
     base = fixture_dir("bf16")
     record = tmp_path / "serving"
@@ -226,7 +226,7 @@ def test_the_serve_stage_adds_the_deepseek_v3_fields_a_transformers_saved_config
     (adapter / "adapter_config.json").write_text("{}")
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     r = load_recipe(SERVE_RECIPE, [f"toolchains.serve.python={sys.executable}"])
-    launch = _sglang_launch(r, model_dir=base, adapter_dir=adapter, kt_weight_dir=base, record_dir=record,
+    launch = BACKEND.launch(r, model_dir=base, adapter_dir=adapter, kt_weight_dir=base, record_dir=record,
                             port=r.serving.port, host=fake_host(cores=16, gpus=1, numa=1))
     args = launch.argv[3:]
     assert args[args.index("--model-path") + 1] == str(served)
@@ -255,8 +255,8 @@ def test_the_no_expert_candidate_of_the_promotion_check_is_a_published_ordinary_
     import serve_check
     from safetensors.numpy import load_file, save_file
 
-    from ktflow.stages.serve.sglang_inputs import has_expert_lora
-    from ktflow.stages.sglang_launch import served_kt_method
+    from ktflow.formats.adapter import has_expert_lora
+    from ktflow.stages.serve.sglang.launch import served_kt_method
     from ktflow.store import StageManifest, publish_dir, read_manifest
 
     staging = tmp_path / "staging"

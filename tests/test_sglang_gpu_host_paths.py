@@ -1,6 +1,6 @@
 """The GPU host's other two SGLang weight paths, checked without a GPU (served there:
-docs/benchmarks/sglang-serve, calls 8-9), as the serve stage now prepares them itself
-(ktflow.stages.serve.sglang_inputs; gpu_host/serve_check.py's served-model and int8-kt-layout steps before):
+benchmarks/data/sglang-serve), as the serve stage now prepares them itself
+(ktflow.stages.serve.sglang.inputs; gpu_host/serve_check.py's served-model and int8-kt-layout steps before):
 RAWINT4 (gpu_host/tiny-sglang-rawint4.yaml; the Kimi-K2.5 fixture's language model, the view sglang-kt loads)
 and AMXINT8 (quantize-int8's output in the ``.kt`` layout kt-kernel's AMXINT8_SFT wrapper reads; kt-kernel
 itself checks it in tests/test_quantize_int8.py)."""
@@ -17,11 +17,12 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ktflow._drivers.kt_int8 import expert_key, kt_file, slice_sizes
+from ktflow._drivers.kt_int8 import kt_file
 from ktflow.errors import InvalidInputError, KtflowError
 from ktflow.formats.checkpoint import NESTED_PREFIX
+from ktflow.formats.kt_layout import expert_key, slice_sizes
 from ktflow.recipe import load_recipe
-from ktflow.stages.serve.sglang_inputs import (
+from ktflow.stages.serve.sglang.inputs import (
     KT_LAYOUT_STAGE,
     MOONVIT_CONFIG_FIELDS,
     ROUTING_FIELDS,
@@ -31,7 +32,7 @@ from ktflow.stages.serve.sglang_inputs import (
     sglang_kt_weights,
     sglang_model_view,
 )
-from ktflow.stages.sglang_launch import render_sglang_launch
+from ktflow.stages.serve.sglang.launch import render_sglang_launch
 from ktflow.store import StageManifest, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent

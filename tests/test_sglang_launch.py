@@ -7,6 +7,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import get_args
 import numpy as np
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
+from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, RecipeError
 from ktflow.host.hardware import GpuInfo, HostInfo, NumaNode
-from ktflow.recipe import Recipe, ServingMethod, load_recipe
-from ktflow.stages.sglang_launch import OWNED_FLAGS, SglangLaunch, launcher_code, render_sglang_launch
+from ktflow.recipe import OWNED_FLAGS, Recipe, ServingMethod, load_recipe
+from ktflow.stages.serve.sglang.launch import SglangLaunch, launcher_code, render_sglang_launch
 from ktflow.store import StageManifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,11 +256,16 @@ def test_raw_kt_training_adapter_is_refused(weights, adapter: Path) -> None:
         render(recipe("kimi-k2.5-rawint4.yaml"), weights, adapter)
 
 
-def test_kt_lora_rules_are_checked_on_the_recipe_object_too(weights, adapter: Path) -> None:
+def test_a_recipe_changed_after_loading_keeps_the_kt_lora_rules() -> None:
+    """The launch relies on the recipe's rules: a recipe cannot be changed around them after it was loaded."""
     r = recipe("kimi-k2.5-rawint4.yaml")
-    r.serving.max_running_requests = 1  # pydantic does not re-validate assignments
-    with pytest.raises(InvalidInputError, match=r"serving\.max_running_requests: is 1"):
-        render(r, weights, adapter)
+    with pytest.raises(ValidationError, match="frozen"):
+        r.serving.max_running_requests = 1
+    with pytest.raises(ValidationError, match=r"max_running_requests: must be >= 2 for KT LoRA serving"):
+        r.model_copy(update={"serving": r.serving.model_copy(update={"max_running_requests": 4})
+                             .model_copy(update={"max_running_requests": 1})})
+    with pytest.raises(ValidationError, match=r"kt_num_gpu_experts: must be 0"):
+        r.serving.model_copy(update={"kt_num_gpu_experts": 2})
 
 
 @pytest.mark.parametrize("extra, owned", [
@@ -273,12 +280,14 @@ def test_kt_lora_rules_are_checked_on_the_recipe_object_too(weights, adapter: Pa
     (["--max-total-tokens", "8192"], "--max-total-tokens"),
     (["-h"], "-h"),
 ])
-def test_extra_args_may_not_set_owned_flags(weights, adapter: Path, extra: list[str], owned: str) -> None:
-    r = recipe("kimi-k2.5-rawint4.yaml")
-    r.serving.extra_args = extra
-    with pytest.raises(InvalidInputError, match=rf"serving\.extra_args: {extra[0]}") as info:
-        render(r, weights, adapter)
+def test_extra_args_may_not_set_owned_flags(extra: list[str], owned: str) -> None:
+    with pytest.raises(RecipeError, match=rf"serving\.extra_args: {re.escape(extra[0])}") as info:
+        recipe("kimi-k2.5-rawint4.yaml", f"serving.extra_args={json.dumps(extra)}")
     assert OWNED_FLAGS[owned] in str(info.value)
+    assert owned == extra[0].split("=")[0] or f"abbreviates {owned}" in str(info.value)
+    r = recipe("kimi-k2.5-rawint4.yaml")
+    with pytest.raises(ValidationError, match="a flag ktflow sets or refuses"):  # a change after loading too
+        r.serving.model_copy(update={"extra_args": extra})
 
 
 # --------------------------------------------------------------------------- the API key

@@ -34,6 +34,11 @@ in this process's RAM until it exits. The plan's ``wrappers_per_process`` bounds
 spent the driver exits with :data:`EXIT_RECYCLE` and the orchestrator starts a fresh one, which
 skips what is already complete.
 
+The merge stage drives it too: the plan's ``method`` may be ``AMXINT4`` (same layout, ``INT4`` .kt files,
+two codes a byte), its ``lora`` names a converted adapter whose per-expert LoRA is merged into each layer's
+buffers as they are loaded (:mod:`ktflow.formats.lora_merge`), and ``non_expert.source`` the checkpoint the
+non-expert shard is copied from (the merged one).
+
 Every event is one stdout line ``KTFLOW-INT8 <json>`` (see :data:`EVENT_PREFIX`).
 
 kt-kernel's Python wrapper allocates pinned host memory, which needs a CUDA driver. On a host
@@ -62,6 +67,7 @@ from typing import Any
 
 import torch
 
+from ktflow.formats.kt_layout import PROJS, expert_key, kt_file_name, slice_sizes
 from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsHeader,
@@ -76,10 +82,10 @@ PLAN_NAME = ".ktflow-int8-plan.json"
 TMP_SUFFIX = ".tmp"
 SCRATCH_PREFIX = "ktflow-int8-"
 KT_METHOD = "AMXINT8"
-KT_FILE_TAG = "INT8"  # the method tag in kt-kernel's .kt file names
+# What the driver can make (the plan's "method", AMXINT8 when absent): kt-kernel's .kt file tag and the
+# weight bits of each. AMXINT4 is laid out as AMXINT8 (one fp32 scale per output row), two codes a byte.
+METHODS = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}
 CHUNK = 512  # chunked_prefill_size: kt-kernel's per-forward token capacity (buffers sized by it)
-PROJS = ("gate", "up", "down")
-OUT_PROJ = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 EXIT_VERIFY_FAILED = 3
 EXIT_RECYCLE = 75  # the budget of kt-kernel wrappers is spent: rerun the driver to go on (complete work is kept)
 
@@ -88,23 +94,6 @@ _DTYPE_RANK = {name: rank for rank, name in enumerate(DTYPE_SIZES)}  # safetenso
 
 
 # --------------------------------------------------------------------------- the output layout
-
-
-def expert_key(layer: int, proj: str, expert: int, numa: int, kind: str) -> str:
-    """``blk.{L}.ffn_{proj}_exps.{E}.numa.{N}.{weight|scale}``: what kt-kernel's SafeTensorLoader reads."""
-    return f"blk.{layer}.{OUT_PROJ[proj]}.{expert}.numa.{numa}.{kind}"
-
-
-def slice_sizes(proj: str, hidden: int, moe_intermediate: int, threadpool_count: int) -> tuple[int, int]:
-    """``(weight bytes, scale count)`` of one expert's projection on one NUMA slice.
-
-    The intermediate dim is split into ``threadpool_count`` slices: gate/up keep ``I/T`` of their
-    rows (one fp32 scale per row), down keeps ``I/T`` of its columns (all ``H`` rows, so ``H`` scales).
-    """
-    n = moe_intermediate // threadpool_count
-    if proj == "down":
-        return hidden * n, hidden
-    return n * hidden, n
 
 
 def safetensors_order(plan: Plan) -> Plan:
@@ -116,13 +105,21 @@ def safetensors_order(plan: Plan) -> Plan:
     return sorted(plan, key=lambda t: (-_DTYPE_RANK[t[1]], t[0]))
 
 
-def layer_plan(layer: int, experts: int, hidden: int, moe_intermediate: int, threadpool_count: int) -> Plan:
+def method_slice_sizes(proj: str, hidden: int, moe_intermediate: int, threadpool_count: int,
+                       method: str = KT_METHOD) -> tuple[int, int]:
+    """:func:`~ktflow.formats.kt_layout.slice_sizes` for ``method``: AMXINT4 packs two codes a byte."""
+    nbytes, scales = slice_sizes(proj, hidden, moe_intermediate, threadpool_count)
+    return nbytes * METHODS[method][1] // 8, scales
+
+
+def layer_plan(layer: int, experts: int, hidden: int, moe_intermediate: int, threadpool_count: int,
+               method: str = KT_METHOD) -> Plan:
     """Every tensor of one MoE layer's shard, as ``(name, dtype, shape)``, in file order."""
     plan: Plan = []
     for numa in range(threadpool_count):
         for expert in range(experts):
             for proj in PROJS:
-                nbytes, scales = slice_sizes(proj, hidden, moe_intermediate, threadpool_count)
+                nbytes, scales = method_slice_sizes(proj, hidden, moe_intermediate, threadpool_count, method)
                 plan.append((expert_key(layer, proj, expert, numa, "weight"), "I8", (nbytes,)))
                 plan.append((expert_key(layer, proj, expert, numa, "scale"), "F32", (scales,)))
     return safetensors_order(plan)
@@ -136,9 +133,13 @@ def layer_index_names(layer: int, experts: int, threadpool_count: int) -> list[s
             for proj in ("down", "gate", "up") for kind in ("weight", "scale")]
 
 
-def kt_file(scratch: Path, layer: int, numa: int, proj: str, expert: int, nbytes: int, kind: str) -> Path:
-    """Where kt-kernel's cpu_save writes one slice: ``_layer_L/_numa_N/INT8_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt``."""
-    return scratch / f"_layer_{layer}" / f"_numa_{numa}" / f"{KT_FILE_TAG}_{proj}_{expert}_{nbytes}Byte_{kind}_.kt"
+def kt_file(scratch: Path, layer: int, numa: int, proj: str, expert: int, nbytes: int, kind: str,
+            method: str = KT_METHOD) -> Path:
+    """Where kt-kernel's cpu_save writes one slice under ``scratch`` (:func:`ktflow.formats.kt_layout.kt_file_name`;
+    AMXINT4's files are named as AMXINT8's with the tag INT4)."""
+    name = kt_file_name(layer, numa, proj, expert, nbytes, kind)
+    directory, _, file = name.rpartition("/")
+    return scratch / directory / (METHODS[method][0] + file[file.index("_"):])
 
 
 # --------------------------------------------------------------------------- the float64 reference
@@ -226,11 +227,14 @@ class _Source:
     it equals the INT8 made from the dequantize stage's BF16 output, without that copy on disk.
     """
 
-    def __init__(self, path: Path, threads: int = 1) -> None:
+    def __init__(self, path: Path, threads: int = 1, lora: dict[str, Any] | None = None) -> None:
         self.path = path
         self.threads = max(1, threads)
         self._headers: dict[str, SafetensorsHeader] = {}
         self._lock = threading.Lock()
+        # An adapter merged into the experts as they are loaded (the merge stage): its directory and
+        # lora_alpha / r; each layer entry's "lora" names every expert's A and B.
+        self.lora = _Adapter(Path(lora["source"]), float(lora["scale"])) if lora else None
 
     def header(self, file: str) -> SafetensorsHeader:
         with self._lock:
@@ -280,22 +284,49 @@ class _Source:
                               "the shard is corrupt; re-download it")
         decode_int4_pack_quantized(packed_buf.view(torch.int32).view(rows, cols // 8), scales, (rows, cols), out=out)
 
-    def _load_one(self, item: list[str], out: torch.Tensor) -> None:
+    def _load_one(self, item: list[str], out: torch.Tensor, lora: list[str] | None = None) -> None:
         if len(item) == 2:
             self.read_into(item[0], item[1], out)
         else:
             self.decode_int4_into(item[0], item[1], item[2], item[3], out)
+        if lora is not None:
+            assert self.lora is not None
+            self.lora.merge_into(out, lora)
 
     def load_layer(self, entry: dict[str, Any], bufs: dict[str, torch.Tensor]) -> None:
-        jobs = [(item, bufs[proj][e]) for proj in PROJS for e, item in enumerate(entry[proj])]
-        if self.threads == 1 or all(len(item) == 2 for item, _ in jobs):
-            for item, out in jobs:  # BF16: plain reads, the disk's pace either way
-                self._load_one(item, out)
+        """One layer's experts into ``bufs``, decoded where INT4, with the plan's adapter merged in."""
+        loras = entry.get("lora") or {}
+        jobs = [(item, bufs[proj][e], (loras.get(proj) or [None] * len(entry[proj]))[e])
+                for proj in PROJS for e, item in enumerate(entry[proj])]
+        if self.threads == 1 or all(len(item) == 2 and lora is None for item, _, lora in jobs):
+            for item, out, lora in jobs:  # BF16: plain reads, the disk's pace either way
+                self._load_one(item, out, lora)
             return
-        # INT4: decoding is CPU work (torch releases the GIL in its kernels); spread the experts over threads
+        # INT4 decodes and merges are CPU work (torch releases the GIL in its kernels): experts over threads
         with ThreadPoolExecutor(max_workers=self.threads) as pool:
-            for future in [pool.submit(self._load_one, item, out) for item, out in jobs]:
+            for future in [pool.submit(self._load_one, item, out, lora) for item, out, lora in jobs]:
                 future.result()
+
+
+class _Adapter:
+    """A converted adapter's per-expert LoRA, read one matrix at a time and merged by ktflow's rule
+    (:func:`ktflow.formats.lora_merge.merge_lora_`, bit-identical to the orchestrator's merge)."""
+
+    def __init__(self, path: Path, scale: float) -> None:
+        self.source = _Source(path)
+        self.scale = scale
+
+    def merge_into(self, weight: torch.Tensor, item: list[str]) -> None:
+        """``item`` = ``[file, lora_A name, file, lora_B name]``."""
+        from ktflow.formats.lora_merge import merge_lora_
+
+        a = read_tensor(self.source.header(item[0]), item[1])
+        b = read_tensor(self.source.header(item[2]), item[3])
+        rows, cols = weight.shape
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != cols or b.shape[0] != rows or a.shape[0] != b.shape[1]:
+            raise DriverError(f"LoRA '{item[1]}' {list(a.shape)} / '{item[3]}' {list(b.shape)} does not fit the "
+                              f"expert weight {[rows, cols]}")
+        merge_lora_(weight, a, b, self.scale)
 
 
 def _header_matches(path: Path, plan: Plan) -> bool:
@@ -324,7 +355,7 @@ def _kt_wrapper(plan: dict[str, Any], layer: int, weight_path: Path, cpu_save: b
         weight_path=str(weight_path),
         chunked_prefill_size=CHUNK,
         cpu_save=cpu_save,
-        method=KT_METHOD,
+        method=plan.get("method", KT_METHOD),
     )
 
 
@@ -335,7 +366,7 @@ def quantize_layer(plan: dict[str, Any], entry: dict[str, Any], source: _Source,
                    scratch: Path, staging: Path, copy_buf: torch.Tensor) -> None:
     """Quantize one layer with kt-kernel and publish its shard (tmp, fsync, rename)."""
     layer, experts, T = entry["layer"], plan["experts"], plan["threadpool_count"]
-    hidden, inter = plan["hidden"], plan["moe_intermediate"]
+    hidden, inter, method = plan["hidden"], plan["moe_intermediate"], plan.get("method", KT_METHOD)
     source.load_layer(entry, bufs)
     wrapper = _kt_wrapper(plan, layer, scratch, cpu_save=True)
     wrapper.load_weights_from_tensors(bufs["gate"], bufs["up"], bufs["down"], torch.arange(experts, dtype=torch.int64))
@@ -344,16 +375,16 @@ def quantize_layer(plan: dict[str, Any], entry: dict[str, Any], source: _Source,
 
     final = staging / entry["shard"]
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    tensors = layer_plan(layer, experts, hidden, inter, T)
+    tensors = layer_plan(layer, experts, hidden, inter, T, method)
     sources: dict[str, Path] = {}
     for numa in range(T):
         for expert in range(experts):
             for proj in PROJS:
-                nbytes, scales = slice_sizes(proj, hidden, inter, T)
+                nbytes, scales = method_slice_sizes(proj, hidden, inter, T, method)
                 sources[expert_key(layer, proj, expert, numa, "weight")] = kt_file(
-                    scratch, layer, numa, proj, expert, nbytes, "quant")
+                    scratch, layer, numa, proj, expert, nbytes, "quant", method)
                 sources[expert_key(layer, proj, expert, numa, "scale")] = kt_file(
-                    scratch, layer, numa, proj, expert, scales * 4, "scale")
+                    scratch, layer, numa, proj, expert, scales * 4, "scale", method)
     try:
         with _into_place(tmp, final, staging, plan["fsync"]), SafetensorsWriter(tmp, tensors, metadata=None) as writer:
             for name, dtype, shape in tensors:
@@ -416,8 +447,13 @@ def verify_layer(plan: dict[str, Any], entry: dict[str, Any], source: _Source, b
 
 
 def write_non_expert(plan: dict[str, Any], source: _Source, staging: Path) -> str:
-    """Copy every non-expert tensor (renamed per the plan) into one shard; 'done' or 'reused'."""
+    """Copy every non-expert tensor (renamed per the plan) into one shard; 'done' or 'reused'.
+
+    ``non_expert.source``, where the plan names one, is the checkpoint they are read from instead of
+    the experts' source (the merge stage's merged non-expert weights)."""
     spec = plan["non_expert"]
+    if spec.get("source"):
+        source = _Source(Path(spec["source"]))
     final = staging / spec["shard"]
     tmp = final.with_name(final.name + TMP_SUFFIX)
     origin = {}
@@ -459,12 +495,14 @@ def run(plan: dict[str, Any], staging: Path) -> int:
     _emit_start(plan)
     # INT4 sources are decoded by a pool of threads (at most 16: the decode streams memory, and more threads
     # only queue on the memory bus)
-    source = _Source(Path(plan["source"]), threads=min(16, int(plan.get("threads") or 1)))
+    source = _Source(Path(plan["source"]), threads=min(16, int(plan.get("threads") or 1)), lora=plan.get("lora"))
     experts, hidden, inter, T = plan["experts"], plan["hidden"], plan["moe_intermediate"], plan["threadpool_count"]
+    method = plan.get("method", KT_METHOD)
     bufs = {"gate": torch.empty(experts, inter, hidden, dtype=torch.bfloat16),
             "up": torch.empty(experts, inter, hidden, dtype=torch.bfloat16),
             "down": torch.empty(experts, hidden, inter, dtype=torch.bfloat16)}
-    largest = max(max(slice_sizes(p, hidden, inter, T)[0], 4 * slice_sizes(p, hidden, inter, T)[1]) for p in PROJS)
+    largest = max(max(method_slice_sizes(p, hidden, inter, T, method)[0], 4 * slice_sizes(p, hidden, inter, T)[1])
+                  for p in PROJS)
     budget = _Budget(plan.get("wrappers_per_process") or 0)
     if not _quantize_layers(plan, source, bufs, torch.empty(largest, dtype=torch.uint8), staging, budget):
         return EXIT_RECYCLE
@@ -490,6 +528,7 @@ def _emit_start(plan: dict[str, Any]) -> None:
          cpu_variant=getattr(kt_kernel, "__cpu_variant__", None),
          int8_kernel=getattr(kt_kernel, "__int8_kernel__", None),
          int8_weight_layout=getattr(kt_kernel, "__int8_weight_layout__", None),
+         method=plan.get("method", KT_METHOD),
          layers=len(plan["layers"]), threadpool_count=plan["threadpool_count"], threads=plan["threads"])
 
 
@@ -532,7 +571,8 @@ def _quantize_layers(plan: dict[str, Any], source: _Source, bufs: dict[str, torc
             t0 = time.perf_counter()
             final = staging / entry["shard"]
             final.with_name(final.name + TMP_SUFFIX).unlink(missing_ok=True)  # a kill's partial layer
-            if final.exists() and _header_matches(final, layer_plan(entry["layer"], experts, hidden, inter, T)):
+            if final.exists() and _header_matches(final, layer_plan(entry["layer"], experts, hidden, inter, T,
+                                                                    plan.get("method", KT_METHOD))):
                 status = "reused"
             else:
                 if budget.spent(f"layer {entry['layer']}"):

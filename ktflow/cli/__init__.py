@@ -30,7 +30,6 @@ from ktflow.cli._common import (
     _serving_dir,
     err,
     out,
-    project_dir_of,
 )
 from ktflow.cli.orchestration import add_host_commands, cmd_dataset_publish, cmd_worker
 from ktflow.cli.pipeline import (
@@ -87,7 +86,7 @@ __all__ = [
     "add_stage_commands", "build_parser", "cmd_adapters", "cmd_convert_lora", "cmd_dataset_publish", "cmd_demo",
     "cmd_dequantize", "cmd_doctor", "cmd_download", "cmd_eval", "cmd_fixture", "cmd_inspect", "cmd_plan",
     "cmd_promote", "cmd_quantize_int8", "cmd_rollback", "cmd_run", "cmd_serve", "cmd_sft", "cmd_worker", "err",
-    "human_bytes", "main", "out", "project_dir_of",
+    "human_bytes", "main", "out",
 ]
 
 

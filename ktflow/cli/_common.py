@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -24,22 +23,12 @@ def _print_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def project_dir_of(recipe_file: Path) -> Path:
-    """Where a recipe's relative paths point: the folder holding its ``recipes/`` folder (a ktflow
-    checkout or a copy of its layout), else the recipe's own folder."""
-    folder = recipe_file.absolute().parent
-    return folder.parent if folder.name == "recipes" else folder
-
-
 def _load(args: argparse.Namespace):
-    """Load the command's recipe and work in its project directory from here on, so that its
-    relative paths (store, toolchains, data) mean the same from any working directory."""
+    """Load the command's recipe; its relative paths (store, toolchains, data) are read against its project folder
+    (:func:`ktflow.recipe.project_dir_of`), so they mean the same from any working directory."""
     from ktflow.recipe import load_recipe
 
-    recipe_file = Path(args.recipe).absolute()
-    if recipe_file.is_file():
-        os.chdir(project_dir_of(recipe_file))
-    return load_recipe(recipe_file, args.set or ())
+    return load_recipe(Path(args.recipe).absolute(), args.set or ())
 
 
 def _say(line: str) -> None:

@@ -21,6 +21,7 @@ from ktflow.cli._common import (
     err,
     out,
 )
+from ktflow.recipe import project_dir_of
 from ktflow.units import human_bytes
 
 
@@ -139,8 +140,8 @@ def _duration(seconds: float) -> str:
 _API_GUARDIAN: Any = None
 
 
-def _embedded_prefect(verbose: bool) -> None:
-    """Prefect's ephemeral API with state under the project: no server to start. A
+def _embedded_prefect(verbose: bool, project_dir: Path) -> None:
+    """Prefect's ephemeral API with state under ``project_dir/.ktflow/prefect``: no server to start. A
     PREFECT_API_URL set by the user (a real server) wins; ktflow never overrides the environment.
 
     Prefect's own console lines (state changes, and a traceback for every failed task and flow)
@@ -148,7 +149,7 @@ def _embedded_prefect(verbose: bool) -> None:
     logs still reach the API at INFO, so the UI shows every task's log.
     """
     global _API_GUARDIAN
-    home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(".ktflow/prefect").absolute())))
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(project_dir).absolute() / ".ktflow" / "prefect")))
     try:
         home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
     except OSError as exc:
@@ -168,11 +169,12 @@ def _embedded_prefect(verbose: bool) -> None:
         _API_GUARDIAN = guard_descendants(EMBEDDED_API_MARKER)
 
 
-def _print_stages(title: str, outcome: dict) -> None:
+def _print_stages(title: str, outcome: dict, project_dir: Path) -> None:
+    """The flow's stages as a table, their results' paths relative to the recipe's project folder."""
     table = Table(title=title)
     for column in ("stage", "runs", "why", "result"):
         table.add_column(column)
-    here = f"{Path.cwd()}{os.sep}"
+    here = f"{Path(project_dir).absolute()}{os.sep}"
     for row in outcome["stages"]:
         table.add_row(row["stage"], row["runs"], row["why"], row["result"].replace(here, ""))
     out.print(table)
@@ -181,14 +183,15 @@ def _print_stages(title: str, outcome: dict) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     """The whole pipeline as one Prefect flow, in-process on Prefect's ephemeral API."""
     recipe = _load(args)
-    _embedded_prefect(args.verbose)
+    project_dir = project_dir_of(Path(args.recipe))
+    _embedded_prefect(args.verbose, project_dir)
     from flows.pipeline import pipeline
 
     outcome = pipeline(recipe)
     if args.json:
         _print_json(outcome)
         return 0
-    _print_stages(f"ktflow run {recipe.name}", outcome)
+    _print_stages(f"ktflow run {recipe.name}", outcome, project_dir)
     if "endpoint" in outcome:
         out.print(f"endpoint: {outcome['endpoint']} (stop it with: ktflow serve {args.recipe} --stop)")
     return 0
@@ -202,14 +205,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ktflow.recipe import load_recipe
     from ktflow.stages.serve import SMOKE_PROMPT, adapter_model_name, api_key_for, read_endpoint, smoke_test
 
-    os.chdir(_demo_checkout())
-    recipe = load_recipe(DEMO_RECIPE)
+    checkout = _demo_checkout()
+    recipe = load_recipe(checkout / DEMO_RECIPE)
     source = recipe.source.local_path
     assert source is not None, "the demo recipe uses a local source"
     if ensure_demo_model(source):
         err.print(f"[bold]fixture[/]: made the tiny Kimi-K2.5-format checkpoint in {source}")
     write_demo_dataset(Path(recipe.dataset.files[0]).parent)
-    _embedded_prefect(args.verbose)
+    _embedded_prefect(args.verbose, checkout)
     from flows.pipeline import pipeline
 
     err.print("[bold]ktflow-pipeline[/]: download -> dequantize -> sft -> convert-lora -> quantize-int8 -> evaluate "
@@ -217,7 +220,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     state = pipeline(recipe, return_state=True)
     outcome = state.result()  # raises the failed stage's error
-    _print_stages(f"demo pipeline ({recipe.name}): {state.name} in {time.monotonic() - started:.1f} s", outcome)
+    _print_stages(f"demo pipeline ({recipe.name}): {state.name} in {time.monotonic() - started:.1f} s", outcome,
+                  checkout)
 
     endpoint = read_endpoint(_serving_dir(recipe))
     assert endpoint is not None, "the serve stage records its endpoint"

@@ -66,64 +66,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
+    """The launch ``ktflow serve`` would start for the trained adapter: the serve stage's own, with nothing made or
+    started (the weights as the pipeline will have them, the adapter as a placeholder)."""
     import shlex
 
-    from ktflow.stages.weights import expected_training_weights
+    from ktflow.stages.serve import dry_run
+    from ktflow.stages.weights import expected_source, expected_training_weights, serving_weights
 
-    model_dir = expected_training_weights(recipe).absolute()
-    adapter = recipe.store.layout.adapter("<trained adapter>").absolute()
-    if recipe.serving.backend == "llamafactory":
-        from ktflow.stages.serve import render_llamafactory_api
-
-        argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter,
-                                                   train_python=recipe.toolchains.train.python.absolute(),
-                                                   config_dir=record_dir)
-        document = {"argv": argv, "env": env, "infer_config": infer}
-    else:
-        from ktflow.host.hardware import probe_host
-        from ktflow.stages.sglang_launch import render_sglang_launch
-        from ktflow.stages.weights import expected_source, serving_weights
-
+    trained_on = expected_training_weights(recipe).absolute()
+    model_dir, kt_weights = trained_on, None
+    if recipe.serving.backend == "sglang":
         source = expected_source(recipe).absolute()
-        model_dir, weights = serving_weights(recipe, source_dir=source, bf16_dir=model_dir if model_dir != source else None)
-        assert weights is not None
-        # The command is for the GPU serving host, not necessarily this one: render it for a host
-        # with the GPUs and cores the recipe asks for (the real host is checked at launch).
-        from ktflow.host.hardware import GpuInfo
-
-        here = probe_host(recipe.store.root)
-        serving_host = here.model_copy(update={
-            "gpus": here.gpus or [GpuInfo(index=i, name="serving-host GPU", vram_bytes=0)
-                                  for i in range(recipe.serving.gpus)],
-            "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
-        })
-        notes = []
-        if (Path(model_dir) / "config.json").is_file():  # the view the serve stage gives sglang-kt, if any
-            from ktflow.stages.serve.sglang_inputs import model_view_plan, sglang_model_view
-
-            view = sglang_model_view(model_dir, record_dir, create=False)
-            if view != Path(model_dir).absolute():
-                notes.append(f"--model-path: a view of {model_dir} the serve stage makes at start "
-                             f"({model_view_plan(model_dir).reason})")  # type: ignore[union-attr]
-            model_dir = view
-        if recipe.serving.kt_method == "AMXINT8":
-            notes.append("--kt-weight-path: with an adapter that carries an expert LoRA (a KT SFT adapter), the "
-                         "serve stage serves kt-kernel's .kt layout of these INT8 weights, written once into the "
-                         "store at start")
-        launch = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=weights.absolute(), adapter_dir=adapter,
-                                      serve_python=recipe.toolchains.serve.python.absolute(),
-                                      host=serving_host, check_files=False)
-        document = {"argv": launch.argv, "env": launch.env}
-        if launch.int8_threadpool_count is not None:
-            document["int8_threadpool_count"] = launch.int8_threadpool_count
-        if notes:
-            document["notes"] = notes
+        model_dir, kt_weights = serving_weights(recipe, source_dir=source,
+                                                bf16_dir=trained_on if trained_on != source else None)
+    launch = dry_run(recipe, model_dir=model_dir, adapter_dir=recipe.store.layout.adapter("<trained adapter>").absolute(),
+                     kt_weight_dir=kt_weights, record_dir=record_dir)
+    document = {"argv": launch.argv, "env": launch.env, **launch.details}
     if as_json:
         _print_json(document)
     else:
-        env_text = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in document["env"].items())
-        out.print((env_text + " " if env_text else "") + shlex.join(document["argv"]), markup=False, soft_wrap=True)
-        for note in document.get("notes", []):
+        env_text = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in launch.env.items())
+        out.print((env_text + " " if env_text else "") + shlex.join(launch.argv), markup=False, soft_wrap=True)
+        for note in launch.details.get("notes", []):
             _say(f"note: {note}")
     return 0
 
@@ -271,13 +235,15 @@ def add_serve_commands(add: _Add) -> None:
     """Serving and evaluation: serve, eval."""
     p = add("serve", cmd_serve, "serve the tuned model behind an OpenAI-compatible API")
     _add_recipe(p)
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the server's command line and environment the serve stage would start; start nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print it as one JSON document")
     p.add_argument("--stop", action="store_true", help="stop the recipe's running server")
 
     p = add("eval", cmd_eval, "evaluate base vs tuned through an endpoint")
     _add_recipe(p)
-    p.add_argument("--endpoint", required=True, metavar="URL")
+    p.add_argument("--endpoint", required=True, metavar="URL",
+                   help="the OpenAI-compatible base URL to evaluate, e.g. http://127.0.0.1:30000/v1")
 
 
 def add_promotion_commands(add: _Add) -> None:

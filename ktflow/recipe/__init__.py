@@ -41,7 +41,9 @@ from ktflow.recipe.loading import (
     _yaml_type,
     apply_override,
     load_recipe,
+    project_dir_of,
     recipe_from_mapping,
+    with_absolute_paths,
 )
 from ktflow.recipe.model import INT4_FORMATS, ModelFacts, SourceConfig, SourceFormat
 from ktflow.recipe.recipe import (
@@ -53,7 +55,7 @@ from ktflow.recipe.recipe import (
     with_sft_backend,
 )
 from ktflow.recipe.runtime import ConversionConfig, StoreConfig, Toolchain, ToolchainsConfig
-from ktflow.recipe.serving import _SERVING_WEIGHTS, ServingConfig, ServingMethod
+from ktflow.recipe.serving import _SERVING_WEIGHTS, OWNED_FLAGS, ServingConfig, ServingMethod
 
 # Every name of the recipe module as it was one file, helpers included.
 __all__ = [
@@ -81,9 +83,12 @@ __all__ = [
     "KtBackend",
     "KtConfig",
     "load_recipe",
+    "project_dir_of",
+    "with_absolute_paths",
     "ModelFacts",
     "needs_bf16_weights",
     "needs_int8_weights",
+    "OWNED_FLAGS",
     "Recipe",
     "recipe_from_mapping",
     "ServingConfig",

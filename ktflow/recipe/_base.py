@@ -1,14 +1,29 @@
-"""What every section of the recipe shares: strict models, and the check of fields that name a directory."""
+"""What every section of the recipe shares: strict, validated-on-every-change models, and the check of fields that
+name a directory."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    """A recipe section: unknown keys refused, defaults validated, and never changed in place.
+
+    A change is a new object built through validation: assignment is refused (``frozen``), and
+    ``model_copy(update=...)``, which pydantic would apply unvalidated, rebuilds the model, so every rule (the KT
+    LoRA rules, the flags ``extra_args`` may not set, the rules across sections) holds for every recipe that exists.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        if not update:
+            return super().model_copy(deep=deep)
+        return type(self).model_validate({**dict(self), **update})
 
 
 # Recipe fields that become one directory name under store.root (store/serving/<name>,

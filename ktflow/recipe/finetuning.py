@@ -184,15 +184,20 @@ class SftConfig(_Strict):
             f"{fit} (or per_device_train_batch_size x gradient_accumulation_steps to any multiple of {gpus}), "
             f"or sft.gpus to a divisor of {b * g}")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_kt_shape_batches(cls, data: Any) -> Any:
+        # Resolved from what the recipe wrote, so a recipe passed on as a dump (a flow parameter, a deployment)
+        # keeps the decision its author's file made.
+        if isinstance(data, dict) and data.get("kt_shape_batches") is None:
+            written = {"per_device_train_batch_size", "gradient_accumulation_steps"} & data.keys()
+            data = {**data, "kt_shape_batches": data.get("backend") == "auto" and not written}
+        return data
+
     @model_validator(mode="after")
     def _backend_rules(self) -> SftConfig:
         legacy = [k for k in ("kt_optimize_rule", "cpu_infer", "chunk_size") if getattr(self, k) is not None]
         v07 = [k for k in ("kt_config", "kt_cpu_activation") if getattr(self, k) is not None]
-        if self.kt_shape_batches is None:
-            # Resolved here, from what the recipe wrote, so a recipe passed on as a dump (a flow
-            # parameter, a deployment) keeps the decision its author's file made.
-            written = {"per_device_train_batch_size", "gradient_accumulation_steps"} & self.model_fields_set
-            self.kt_shape_batches = self.backend == "auto" and not written
         if self.gpus > 1:
             self._check_batch_splits_over_gpus()
         if self.backend == "kt":

@@ -37,8 +37,19 @@ _KEY_HINTS: dict[str, str] = {
 }
 
 
+def project_dir_of(recipe_file: Path) -> Path:
+    """Where a recipe file's relative paths point: the folder holding its ``recipes/`` folder (a ktflow
+    checkout or a copy of its layout), else the recipe's own folder."""
+    folder = Path(recipe_file).absolute().parent
+    return folder.parent if folder.name == "recipes" else folder
+
+
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Load, override and validate a recipe file.
+
+    Every relative path in it (the store, the toolchains, the data, a local source), written or a default, and
+    those given in ``overrides``, is made absolute against the recipe's project folder (:func:`project_dir_of`):
+    the recipe means the same from any working directory, from the CLI and from Python alike.
 
     Args:
         path: a YAML file.
@@ -69,13 +80,16 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(str(path), f"a recipe must be a YAML mapping at the top level (got {_yaml_type(raw)})",
                           "start the file with 'name: ...', 'source: ...' as in recipes/")
-    return recipe_from_mapping(raw, overrides, origin=str(path))
+    return recipe_from_mapping(raw, overrides, origin=str(path), base_dir=project_dir_of(path))
 
 
 def recipe_from_mapping(
-    raw: Mapping[str, Any], overrides: Sequence[str] = (), *, origin: str = "recipe"
+    raw: Mapping[str, Any], overrides: Sequence[str] = (), *, origin: str = "recipe", base_dir: Path | None = None,
 ) -> Recipe:
     """Validate a recipe given as a mapping (a flow parameter, a parsed file).
+
+    ``base_dir``: make every relative path absolute against it (:func:`with_absolute_paths`); None leaves them
+    relative to the working directory of the process that uses them (a flow parameter on a worker).
 
     Raises:
         RecipeError: for anything that is not a valid recipe (never another exception).
@@ -87,12 +101,32 @@ def recipe_from_mapping(
     for item in overrides:
         apply_override(data, item, origin=origin)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
+        return recipe if base_dir is None else with_absolute_paths(recipe, Path(base_dir).absolute())
     except ValidationError as exc:
         raise RecipeError(origin, _format_validation_error(exc), _VALIDATION_FIX) from None
     except RecursionError:
         raise RecipeError(origin, "a value is nested too deeply to be a recipe field",
                           "write the recipe as in recipes/") from None
+
+
+def with_absolute_paths(recipe: Recipe, base_dir: Path) -> Recipe:
+    """``recipe`` with every relative path it holds joined onto ``base_dir`` (not resolved: a venv's python is a
+    link that must keep its name), rebuilt through validation."""
+    return _absolute(recipe, base_dir)
+
+
+def _absolute(value: Any, base_dir: Path) -> Any:
+    if isinstance(value, Path):
+        return value if value.is_absolute() else base_dir / value
+    if isinstance(value, list):
+        items = [_absolute(v, base_dir) for v in value]
+        return items if any(a is not b for a, b in zip(items, value)) else value
+    if isinstance(value, BaseModel):
+        changed = {name: new for name in type(value).model_fields
+                   if (new := _absolute(getattr(value, name), base_dir)) is not getattr(value, name)}
+        return value.model_copy(update=changed) if changed else value
+    return value
 
 
 _VALIDATION_FIX = "change the field(s) named above in the recipe (or with --set); recipes/ has complete examples"

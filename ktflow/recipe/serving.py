@@ -19,6 +19,65 @@ _SERVING_WEIGHTS: dict[str, str] = {
 }
 
 
+# Flags ktflow sets for sglang (or that must not be set with a KT LoRA adapter), aliases included, with the recipe
+# field to use instead. serving.extra_args may not name them, nor abbreviate them: argparse accepts unique prefixes,
+# and the last occurrence wins, so ``--kt-thread 4`` would silently override ``--kt-threadpool-count``.
+OWNED_FLAGS: dict[str, str] = {
+    "--model-path": "ktflow passes the model directory of the pipeline",
+    "--model": "ktflow passes the model directory of the pipeline (--model is --model-path)",
+    "--kt-weight-path": "ktflow passes the expert weights for serving.kt_method",
+    "--kt-method": "set serving.kt_method",
+    "--kt-cpuinfer": "set serving.kt_cpuinfer",
+    "--kt-threadpool-count": "set serving.kt_threadpool_count",
+    "--kt-num-gpu-experts": "set serving.kt_num_gpu_experts (must be 0 with a KT LoRA adapter)",
+    "--kt-gpu-experts-ratio": "it overrides --kt-num-gpu-experts, which must be 0 with a KT LoRA adapter",
+    "--kt-gpu-prefill-token-threshold": "it cannot be used with a KT LoRA adapter",
+    "--kt-enable-dynamic-expert-update": "it cannot be used with a KT LoRA adapter",
+    "--kt-lora-path": "ktflow serves the converted adapter through --lora-paths",
+    "--kt-expert-lora-path": "ktflow serves the converted adapter through --lora-paths",
+    "--tensor-parallel-size": "set serving.gpus",
+    "--tp-size": "set serving.gpus",
+    "--pipeline-parallel-size": "KT LoRA serving is tensor parallel only",
+    "--pp-size": "KT LoRA serving is tensor parallel only",
+    "--host": "set serving.host",
+    "--port": "set serving.port",
+    "--served-model-name": "set serving.served_model_name",
+    "--api-key": "export the key in the variable serving.api_key_env names; a key in argv is visible in ps",
+    "--admin-api-key": "a key in argv is visible to every local user in ps",
+    "--enable-lora": "ktflow always serves the tuned adapter",
+    "--lora-backend": "set serving.lora_backend",
+    "--lora-paths": "sglang-kt serves exactly one KT adapter; set serving.adapter_name",
+    "--max-running-requests": "set serving.max_running_requests",
+    "--context-length": "set serving.context_length",
+    "--chunked-prefill-size": "set serving.chunked_prefill_size",
+    "--mem-fraction-static": "set serving.mem_fraction_static",
+    "--max-total-tokens": "set serving.max_total_tokens (ktflow plan counts the KV pool from it)",
+    "--attention-backend": "set serving.attention_backend",
+    "--sampling-backend": "set serving.sampling_backend",
+    "--grammar-backend": "set serving.grammar_backend",
+    "--dtype": "set serving.dtype",
+    "--disable-cuda-graph": "set serving.disable_cuda_graph",
+    "--disable-radix-cache": "set serving.disable_radix_cache",
+    "--config": "it reads more flags from a file ktflow does not check",
+    "--help": "it prints the help and exits",
+    "-h": "it prints the help and exits",
+}
+
+
+def owned_flag_in(extra_args: list[str]) -> tuple[str, str] | None:
+    """The first ``(token, owned flag)`` of ``extra_args`` that sets, aliases or abbreviates a flag in
+    :data:`OWNED_FLAGS`; None when there is none. Values (negative numbers included) are skipped."""
+    for token in extra_args:
+        if not token.startswith("-") or token[1:2].isdigit() or token in ("-", "--"):
+            continue
+        flag = token.split("=", 1)[0]
+        owned = flag if flag in OWNED_FLAGS else next(
+            (o for o in OWNED_FLAGS if flag.startswith("--") and len(flag) > 2 and o.startswith(flag)), None)
+        if owned is not None:
+            return token, owned
+    return None
+
+
 class ServingConfig(_Strict):
     """The OpenAI-compatible endpoint. SGLang names for sglang; LlamaFactory's api for CPU."""
 
@@ -131,7 +190,11 @@ class ServingConfig(_Strict):
                 f"context_length {self.context_length}; set it to at least context_length x max_running_requests "
                 f"({self.context_length * self.max_running_requests}) or leave it unset"
             )
-        for flag in self.extra_args:
-            if flag.split("=", 1)[0] in ("--pp-size", "--pipeline-parallel-size", "--host"):
-                raise ValueError(f"@extra_args: may not set {flag}; use the recipe's own field")
+        owned = owned_flag_in(self.extra_args)
+        if owned is not None:
+            token, flag = owned
+            how = ("is" if flag == token.split("=", 1)[0]
+                   else f"abbreviates {flag} (argparse accepts unique prefixes), which is")
+            raise ValueError(f"@extra_args: {token} {how} a flag ktflow sets or refuses (the last occurrence would "
+                             f"win): {OWNED_FLAGS[flag]}")
         return self

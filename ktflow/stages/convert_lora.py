@@ -38,13 +38,9 @@ from pydantic import BaseModel
 
 from ktflow import ENGINE_VERSION
 from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError, KtflowError
-from ktflow.formats.adapter import ADAPTER_FILES
-from ktflow.formats.checkpoint import checkpoint_digest
-from ktflow.host.process import run_tool, tool_versions
-from ktflow.resources import DiskNeed, Resources
-from ktflow.runner import Job, StageSpec, find_published, run_stage
-from ktflow.stages.adapter_check import (
+from ktflow.formats.adapter import (
     ADAPTER_CONFIG,
+    ADAPTER_FILES,
     ADAPTER_MODEL,
     FUSED_EXPERT_LORA,
     KT_MANIFEST_VERSION,
@@ -57,10 +53,13 @@ from ktflow.stages.adapter_check import (
     _validate,
     verify_kt_manifest,
 )
-from ktflow.stages.adapter_check import validate_adapter as validate_adapter  # the serve stage and tests import it here
+from ktflow.formats.checkpoint import checkpoint_digest
+from ktflow.host.process import run_tool, tool_versions
+from ktflow.resources import CONVERT_LORA_STAGE, DiskNeed, Resources
+from ktflow.runner import Job, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, file_sha256
 
-STAGE = "convert-lora"
+STAGE = CONVERT_LORA_STAGE
 KT_KERNEL_SERIES = "0.7"  # the kt-kernel release line whose converter and manifest format ktflow reads
 CONVERTER_MODULE = "kt_kernel.sft.convert_kt_to_sglang_adapter"
 

@@ -63,11 +63,11 @@ from ktflow.formats.safetensors_io import (
     read_tensor,
 )
 from ktflow.host.process import single_thread_torch
-from ktflow.resources import DiskNeed, Resources
+from ktflow.resources import DEQUANTIZE_STAGE, DiskNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_json
 
-STAGE = "dequantize"
+STAGE = DEQUANTIZE_STAGE
 _JOURNAL = ".ktflow-dequantize.json"  # identity of the source a staging dir was started from
 _TMP_SUFFIX = ".tmp"
 _HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk check

@@ -55,6 +55,7 @@ from ktflow.stages.eval_metrics import (
     option_letter,
     style_share,
 )
+from ktflow.stages.serve import Endpoint, dynamic_adapter, render_llamafactory_api, temporary_server
 from ktflow.store import atomic_write_bytes, atomic_write_json
 
 PROBE_PROMPTS = 8  # eval prompts the adapter check uses
@@ -511,28 +512,6 @@ def _base_endpoint(recipe: Recipe, *, model_dir: Path, api_key: str, record_dir:
         yield served.url, served.model
 
 
-@contextlib.contextmanager
-def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, api_key: str, record_dir: Path,
-                     what: str, log: Callable[[str], None] | None,
-                     kt_weight_dir: Path | None = None) -> Iterator[ServedModel]:
-    """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
-    same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
-    the evaluation, even when we are killed), stopped on the way out. sglang: a second sglang-kt
-    process (its own copy of the CPU experts from ``kt_weight_dir``) beside production's."""
-    from ktflow.stages import serve as serving
-
-    try:
-        port = serving.free_port(recipe.serving.host)
-        if log:
-            log(f"starting a {what} server on port {port}")
-        endpoint = serving.serve(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
-                                 api_key=api_key, port=port, log=log, die_with_parent=True,
-                                 kt_weight_dir=kt_weight_dir)
-        yield ServedModel(url=endpoint.url, model=endpoint.model or recipe.serving.served_model_name)
-    finally:
-        serving.stop(record_dir)
-
-
 def render_report_md(recipe: Recipe, result: EvaluationResult) -> str:
     """``report.md``: the table, the train/eval overlap, the adapter check and the gate."""
     cfg = recipe.evaluation
@@ -572,7 +551,7 @@ class Candidate(BaseModel):
 
 def evaluate_candidate(
     recipe: Recipe, *, mode: str, model_dir: Path, serve_model_dir: Path, candidate: Candidate,
-    production: Any = None, production_version: int | None = None, api_key: str, out_dir: Path,
+    production: Endpoint | None = None, production_version: int | None = None, api_key: str, out_dir: Path,
     log: Callable[[str], None] | None = None, kt_weight_dir: Path | None = None,
 ) -> EvaluationResult:
     """Judge ``candidate`` without letting it take production traffic: base vs candidate vs production.
@@ -622,35 +601,6 @@ def evaluate_candidate(
                                       kt_weight_dir=kt_weight_dir, **common)
 
 
-@contextlib.contextmanager
-def dynamic_adapter(root_url: str, api_key: str, name: str, adapter_dir: Path,
-                    log: Callable[[str], None] | None = None) -> Iterator[str]:
-    """``adapter_dir`` loaded into a running SGLang server as ``name`` for the length of the block
-    (``/load_lora_adapter``, unpinned), unloaded on the way out whatever happened. SGLang registers
-    an adapter only once it loaded, so a failed load changes nothing the server serves.
-
-    Raises:
-        EvaluationError: the server refused to load it (HTTP status and body named).
-    """
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"}
-    response = httpx.post(f"{root_url}/load_lora_adapter", headers=headers, timeout=REQUEST_TIMEOUT_S,
-                          json={"lora_name": name, "lora_path": str(Path(adapter_dir).absolute()), "pinned": False})
-    if response.status_code != 200:
-        raise EvaluationError(f"{root_url} refused to load the candidate {adapter_dir} as {name} "
-                              f"(HTTP {response.status_code}: {response.text[:500]}); production is untouched")
-    if log:
-        log(f"candidate loaded beside production as {name}")
-    try:
-        yield name
-    finally:
-        httpx.post(f"{root_url}/unload_lora_adapter", headers=headers, json={"lora_name": name},
-                   timeout=REQUEST_TIMEOUT_S)
-        if log:
-            log(f"candidate {name} unloaded")
-
-
 def evaluate_offline(
     recipe: Recipe, *, model_dir: Path, candidate: Candidate, production_adapter: Path | None, out_dir: Path,
     production_version: int | None = None, candidate_version: int | None = None, candidate_mode: str | None = "offline",
@@ -661,7 +611,6 @@ def evaluate_offline(
     nothing that serves is touched. Greedy at ``evaluation.temperature`` 0, so the answers are the
     ones the served model would give."""
     from ktflow.stages.offline_generation import generate_offline
-    from ktflow.stages.serve import render_llamafactory_api
 
     cfg = recipe.evaluation
     records = load_eval_records(cfg)

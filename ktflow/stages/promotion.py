@@ -5,8 +5,8 @@ Trained -> candidate -> promoted or rejected -> (rollback). The registry
 the recipe's endpoint serves and keeps the pointer in step with it:
 
 - :func:`register_adapter`: the converted adapter becomes version N, with its lineage.
-- :func:`choose_candidate_mode`: ``evaluation.candidate``, or (unset) the cheapest way this host
-  can judge a candidate without it taking production traffic, with the reason.
+- :func:`judge_candidate`: judge version N as a candidate in the mode
+  :func:`ktflow.stages.serve.choose_candidate_mode` picks for this host, and record the verdict.
 - :func:`promote_version`: serve version N (a swap health-gated and smoke-tested, the old adapter
   restored if the new one fails to serve), then move the pointer; idempotent; refuses a version
   trained on another base than the one served.
@@ -26,23 +26,38 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel
 
 from ktflow.errors import AdapterError, InvalidInputError
 from ktflow.formats.checkpoint import checkpoint_digest, checkpoint_fingerprint, identity_digest
+from ktflow.host.hardware import HostInfo, probe_host
 from ktflow.recipe import Recipe
 from ktflow.registry import (
     JUDGING_MOVE,
     AdapterRegistry,
     AdapterVersion,
-    CandidateMode,
     Lineage,
     PendingMove,
     Trigger,
     Verdict,
     utc_now,
+)
+from ktflow.stages.evaluate import Candidate, EvaluationResult, evaluate_base_vs_tuned, evaluate_candidate
+from ktflow.stages.serve import (
+    CandidateChoice,
+    Endpoint,
+    adapter_model_name,
+    choose_candidate_mode,
+    is_alive,
+    label_endpoint_version,
+    measure_serve,
+    port_is_free,
+    read_endpoint,
+    resolve_api_key,
+    serve,
+    stop,
+    swap_adapter,
 )
 from ktflow.store import atomic_write_bytes, read_manifest
 
@@ -84,120 +99,6 @@ def register_adapter(recipe: Recipe, *, adapter_dir: Path, sft_adapter_dir: Path
     return registry_of(recipe).register(adapter_dir, lineage)
 
 
-# --------------------------------------------------------------------------- candidate mode
-
-
-class CandidatePrice(BaseModel):
-    """What judging a candidate in one mode costs on a host, on top of production, and whether it fits."""
-
-    mode: CandidateMode
-    ram_bytes: int = 0
-    gpu_bytes: int = 0  # per GPU
-    servers: int = 0  # servers started beside production's (or beside the candidate serving in its place)
-    problem: str | None = None  # why it does not fit (None: it does)
-
-    def brief(self) -> str:
-        """``beside: +16.0 GiB RAM, 2 more servers: does not fit (...)``."""
-        from ktflow.units import human_bytes
-
-        costs = [f"+{human_bytes(self.ram_bytes)} RAM" if self.ram_bytes else "",
-                 f"+{human_bytes(self.gpu_bytes)} per GPU" if self.gpu_bytes else "",
-                 f"{self.servers} more server{'s' if self.servers != 1 else ''}" if self.servers else ""]
-        what = ", ".join(c for c in costs if c) or "no more memory"
-        traffic = "; the candidate takes production traffic while judged" if self.mode == "swap" else ""
-        return f"{self.mode}: {what}{traffic}: " + ("fits" if self.problem is None else f"does not fit ({self.problem})")
-
-
-class CandidateChoice(BaseModel):
-    """How a candidate is judged on a host, and why."""
-
-    mode: CandidateMode
-    reason: str
-    ram_bytes: int = 0  # what judging it costs on top of production (RAM)
-    gpu_bytes: int = 0  # and GPU memory, per GPU
-    problem: str | None = None  # the chosen mode does not fit (set by evaluation.candidate): why
-    prices: list[CandidatePrice] = []  # every mode, priced on this host
-
-
-def candidate_prices(recipe: Recipe, sizes: Any, host: Any, *, production_running: bool) -> list[CandidatePrice]:
-    """Each candidate mode (beside, offline, swap) priced on ``host``: what it costs on top of
-    production (:func:`~ktflow.stages.serve.candidate_needs`) and whether that fits.
-
-    ``production_running``: production's memory is already in use on ``host`` (a live endpoint: the
-    extra RAM must be available now); else (a plan) production's is added to it. GPU memory:
-    :func:`~ktflow.stages.serve.stage.candidate_gpu_shortfall` for sglang (servers sharing the GPUs
-    production serves from), the GPUs' capacity otherwise.
-    """
-    from ktflow.resources import RamNeed, gpu_shortfall, ram_shortfall
-    from ktflow.stages.serve import candidate_needs, serve_needs
-    from ktflow.stages.serve.stage import candidate_gpu_shortfall, candidate_servers
-
-    production = serve_needs(recipe, sizes)
-    prices = []
-    for mode in ("beside", "offline", "swap"):
-        needs = candidate_needs(recipe, sizes, mode)
-        problems = []
-        if needs.ram is not None and needs.ram.bytes:
-            ram = needs.ram
-            if production_running:
-                ram = ram.model_copy(update={"of": "available"})  # production holds its share already
-            elif production.ram is not None:
-                ram = RamNeed(bytes=ram.bytes + production.ram.bytes, what=f"{ram.what} beside production",
-                              why=f"{ram.why}; production: {production.ram.why}", of=ram.of,
-                              numa_pools=ram.numa_pools)
-            problems.append(ram_shortfall("serve", ram, host))
-        if recipe.serving.backend == "sglang":
-            problems.append(candidate_gpu_shortfall(recipe, sizes, mode, host))
-        elif needs.gpu is not None and needs.gpu.bytes:
-            problems.append(gpu_shortfall("serve", needs.gpu, host))
-        prices.append(CandidatePrice(
-            mode=mode, ram_bytes=needs.ram.bytes if needs.ram else 0, gpu_bytes=needs.gpu.bytes if needs.gpu else 0,
-            servers=candidate_servers(recipe, mode), problem="; ".join(p for p in problems if p) or None))
-    return prices
-
-
-def choose_candidate_mode(recipe: Recipe, sizes: Any, host: Any, *, production_running: bool) -> CandidateChoice:
-    """``evaluation.candidate`` when the recipe sets it; else ``beside`` when a candidate fits beside
-    production on ``host``, ``offline`` when generation through the training toolchain does, else
-    ``swap``; never silently: the reason says which and why, and ``prices`` every mode.
-
-    sglang-kt (KT's fork) loads its one adapter at start-up and cannot load another at run time, so
-    ``beside`` is a second sglang-kt process for the candidate on a free port (and one for the base
-    model, which a server with a KT expert LoRA refuses to answer): a second copy of the CPU experts
-    in RAM and another share of each GPU (see :func:`candidate_prices`); plain SGLang with
-    ``serving.dynamic_lora`` loads the candidate under a second adapter name instead.
-
-    ``sizes``: :class:`~ktflow.stages.serve.ServeSizes`; ``host``: a :class:`~ktflow.host.hardware.HostInfo`.
-    ``production_running``: production's memory is already in use on ``host`` (a live endpoint);
-    else (a plan) it is added to the candidate's.
-    """
-    from ktflow.stages.serve import candidate_needs
-
-    prices = {p.mode: p for p in candidate_prices(recipe, sizes, host, production_running=production_running)}
-
-    def choice(mode: CandidateMode, reason: str) -> CandidateChoice:
-        needs = candidate_needs(recipe, sizes, mode)
-        return CandidateChoice(mode=mode, reason=reason, ram_bytes=needs.ram.bytes if needs.ram else 0,
-                               gpu_bytes=needs.gpu.bytes if needs.gpu else 0, problem=prices[mode].problem,
-                               prices=list(prices.values()))
-
-    explicit = recipe.evaluation.candidate
-    if explicit is not None:
-        problem = prices[explicit].problem
-        return choice(explicit, "set by evaluation.candidate" + (f" (though {problem})" if problem else ""))
-    beside = prices["beside"].problem
-    if beside is None:
-        needs = candidate_needs(recipe, sizes, "beside")
-        what = needs.ram.why if needs.ram else "a second adapter name on the server"
-        return choice("beside", f"{what} fits beside production: the candidate takes no production traffic")
-    offline = prices["offline"].problem
-    if offline is None:
-        return choice("offline", f"nothing fits beside production ({beside}); offline generation through the "
-                                 "training toolchain does")
-    return choice("swap", f"nothing fits beside production ({beside}), nor offline generation ({offline}): the "
-                          "candidate serves in production's place and a failed gate rolls production back")
-
-
 # --------------------------------------------------------------------------- moving production
 
 
@@ -207,7 +108,7 @@ class MoveResult(BaseModel):
     version: int
     replaced: int | None  # the version that served before (None: nothing did)
     moved: bool  # False: it already served (idempotent)
-    endpoint: Any = None  # the Endpoint serving now
+    endpoint: Endpoint | None = None  # what serves now
 
     def summary(self) -> str:
         if not self.moved:
@@ -220,15 +121,14 @@ def _move_lock(registry: AdapterRegistry) -> contextlib.AbstractContextManager[N
     return registry.locked(".move.lock")
 
 
-def _serving_now(record_dir: Path) -> Any:
+def _serving_now(record_dir: Path) -> Endpoint | None:
     """The recorded endpoint if it is ready and alive, else None."""
-    from ktflow.stages.serve import is_alive, read_endpoint
 
     endpoint = read_endpoint(record_dir)
     return endpoint if endpoint is not None and endpoint.state == "ready" and is_alive(endpoint) else None
 
 
-def _serves(endpoint: Any, version: AdapterVersion) -> bool:
+def _serves(endpoint: Endpoint | None, version: AdapterVersion) -> bool:
     return endpoint is not None and endpoint.adapter_dir is not None and \
         Path(endpoint.adapter_dir).absolute() == Path(version.adapter_dir).absolute()
 
@@ -350,11 +250,10 @@ def _recover(recipe: Recipe, registry: AdapterRegistry, record_dir: Path, log: L
     return said
 
 
-def _serve_adapter(recipe: Recipe, adapter_dir: Path, *, model_dir: Path, kt_weight_dir: Path | None, running: Any,
-                   log: Log) -> Any:
+def _serve_adapter(recipe: Recipe, adapter_dir: Path, *, model_dir: Path, kt_weight_dir: Path | None,
+                   running: Endpoint | None, log: Log) -> Endpoint:
     """Serve ``adapter_dir`` at the recipe's endpoint: a health-gated swap of a running server, or a
     fresh start (a stale record is cleared first)."""
-    from ktflow.stages.serve import port_is_free, read_endpoint, serve, stop, swap_adapter
 
     record_dir = serving_dir(recipe)
     if running is not None:
@@ -368,16 +267,14 @@ def _serve_adapter(recipe: Recipe, adapter_dir: Path, *, model_dir: Path, kt_wei
                  kt_weight_dir=kt_weight_dir, port=port, log=log)
 
 
-def _label_endpoint(record_dir: Path, endpoint: Any, version: int) -> Any:
+def _label_endpoint(record_dir: Path, endpoint: Endpoint, version: int) -> Endpoint:
     """``endpoint.json`` names the version it serves."""
-    from ktflow.stages.serve import label_endpoint_version
 
     return label_endpoint_version(record_dir, endpoint, version)
 
 
 def stop_serving(recipe: Recipe, log: Log = None) -> None:
     """Stop the recipe's endpoint (swap mode: a rejected first candidate, with nothing to go back to)."""
-    from ktflow.stages.serve import stop
 
     registry = registry_of(recipe)
     with _move_lock(registry):
@@ -392,7 +289,7 @@ def stop_serving(recipe: Recipe, log: Log = None) -> None:
 class SwapJudgement(BaseModel):
     """What :func:`judge_by_swap` did: the evaluation, and the window the candidate served in."""
 
-    evaluation: Any
+    evaluation: EvaluationResult
     window: tuple[str, str] | None
     restored: int | None  # the version promoted back after a failed gate (None: none, or it passed)
 
@@ -405,8 +302,6 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     Raises:
         SwapError, ServerStartError: the candidate failed to serve (production is as it was).
     """
-    from ktflow.stages.evaluate import evaluate_base_vs_tuned
-    from ktflow.stages.serve import adapter_model_name
 
     registry = registry_of(recipe)
     before = registry.production().version
@@ -437,7 +332,7 @@ class Judgement(BaseModel):
     """A candidate's verdict: its evaluation, how it was judged, what serves."""
 
     version: int
-    evaluation: Any  # EvaluationResult
+    evaluation: EvaluationResult
     choice: CandidateChoice
     production_version: int | None  # what served while it was judged (and still does if it was rejected)
     window: tuple[str, str] | None = None  # swap mode, rejected: when the candidate served
@@ -469,7 +364,7 @@ EVALUATION_JSON = "evaluation.json"
 
 
 def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_model_dir: Path,
-                    kt_weight_dir: Path | None = None, host: Any = None, log: Log = None) -> Judgement:
+                    kt_weight_dir: Path | None = None, host: HostInfo | None = None, log: Log = None) -> Judgement:
     """Judge version ``version`` as a candidate (the evaluate stage) and record the verdict.
 
     The mode is :func:`choose_candidate_mode`'s for this host; ``beside`` and ``offline`` leave
@@ -478,9 +373,6 @@ def judge_candidate(recipe: Recipe, version: int, *, model_dir: Path, serve_mode
     version that already serves in production and passed before is not judged again.
     The report goes to ``<store>/eval/<recipe>/v<N>/``.
     """
-    from ktflow.host.hardware import probe_host
-    from ktflow.stages.evaluate import Candidate, EvaluationResult, evaluate_candidate
-    from ktflow.stages.serve import measure_serve, resolve_api_key
 
     registry = registry_of(recipe)
     record_dir = serving_dir(recipe)

@@ -72,15 +72,16 @@ from ktflow.formats.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
+from ktflow.formats.kt_layout import PROJS, slice_sizes
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
 from ktflow.recipe.model import INT4_FORMATS
-from ktflow.resources import INT8_KERNELS, DiskNeed, RamNeed, Resources
+from ktflow.resources import INT8_KERNELS, QUANTIZE_INT8_STAGE, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json, existing_ancestor
 from ktflow.units import GiB
 
-STAGE = "quantize-int8"
+STAGE = QUANTIZE_INT8_STAGE
 KT_METHOD = driver.KT_METHOD
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 INT8_ALIGN = 64  # k % 64 and n % 32 of every INT8 matrix: hidden and each NUMA slice of I
@@ -160,8 +161,8 @@ def _layer_bytes(experts: int, hidden: int, inter: int, t: int) -> tuple[int, in
     """(BF16 bytes, INT8 bytes incl. scales) of one MoE layer's routed experts."""
     bf16 = experts * 3 * inter * hidden * 2
     int8 = 0
-    for proj in driver.PROJS:
-        nbytes, scales = driver.slice_sizes(proj, hidden, inter, t)
+    for proj in PROJS:
+        nbytes, scales = slice_sizes(proj, hidden, inter, t)
         int8 += experts * t * (nbytes + 4 * scales)
     return bf16, int8
 
@@ -240,7 +241,7 @@ class _Layout:
         for k, layer in enumerate(self.moe_layers, start=1):
             tensors = found[layer]
             entry: dict[str, Any] = {"layer": layer, "shard": f"model-{k:05d}-of-{total:05d}.safetensors"}
-            for proj in driver.PROJS:
+            for proj in PROJS:
                 missing = [e for e in range(experts) if (proj, e) not in tensors]
                 if missing:
                     raise CheckpointError(str(src), f"layer {layer} lacks {proj}_proj of expert(s) {missing[:8]}.",

@@ -38,13 +38,13 @@ from ktflow.errors import (
     SourceAccessError,
 )
 from ktflow.recipe import SourceConfig
-from ktflow.resources import DiskNeed, Resources
+from ktflow.resources import DOWNLOAD_STAGE, DiskNeed, Resources
 from ktflow.runner import Job, Progress, damaged_files, find_published
 from ktflow.store import FileEntry, StageManifest
 from ktflow.units import human_bytes
 
 log = logging.getLogger(__name__)
-STAGE = "download"
+STAGE = DOWNLOAD_STAGE
 # huggingface_hub's per-local_dir bookkeeping (download metadata, locks, tree listing cache,
 # orphaned .incomplete files). Needed to resume; removed before publishing, see _finalize_staging.
 HF_BOOKKEEPING = Path(".cache") / "huggingface"

@@ -43,15 +43,38 @@ server is ready (health gate and smoke test passed, ``state: ready`` recorded) a
 included), the half-started server and everything carrying its marker are stopped, and the next
 :func:`serve` finds the stale ``starting`` record and clears it. Only a ready server outlives us.
 
-Modules: ``records.py`` (the endpoint record, ports, keys), ``process.py`` (start, readiness gate,
-smoke test), ``llamafactory.py`` and ``sglang.py`` (the two backends' launches; plain SGLang's
-no-downtime adapter swap), ``sglang_inputs.py`` (what sglang-kt is given to load where the
-pipeline's outputs are not what it reads: a view of the checkpoint, kt-kernel's ``.kt`` layout of
-AMXINT8 experts served with an expert LoRA), ``stage.py`` (serve, stop, swap with rollback, and
-what serving and a candidate cost). The names callers use are re-exported here.
+The package, by what each part is for:
+
+- ``lifecycle.py``: :func:`serve`, :func:`stop`, :func:`swap_adapter` (with rollback), :func:`temporary_server`
+  and :func:`dry_run`; the backend is picked here, once (:func:`backend_for`).
+- ``needs.py``: what serving needs of a host (:func:`serve_needs`), and what judging a candidate costs in each
+  mode, priced on a host, with the mode chosen from those prices (:func:`choose_candidate_mode`).
+- ``records.py``: the endpoint record (``endpoint.json``), ports and the API key.
+- ``process.py``: start a server into its log, the readiness gate, the smoke test.
+- ``backend.py``: what a backend gives the lifecycle (:class:`Launch`) and the methods it has (:class:`Backend`).
+- ``llamafactory/``: the CPU backend (``llamafactory-cli api`` and its ``infer.yaml``).
+- ``sglang/``: the GPU backend: sglang-kt's launch command and its checks (``launch.py``), what it is given to
+  load (``inputs.py``: a view of the checkpoint, kt-kernel's ``.kt`` layout), and one client for SGLang's
+  adapter API (``adapters.py``: plain SGLang's no-downtime swap, a candidate beside production).
+
+Imports go one way: the backends import ``backend``, ``records`` and ``process``; ``lifecycle`` imports the
+backends and ``needs``; nothing here imports ``lifecycle`` but this ``__init__``, which re-exports the names
+callers use.
 """
 
-from ktflow.stages.serve.llamafactory import INFER_YAML, dump_infer_yaml, render_llamafactory_api
+from ktflow.stages.serve.backend import Backend, Launch
+from ktflow.stages.serve.lifecycle import backend_for, dry_run, serve, stop, swap_adapter, temporary_server
+from ktflow.stages.serve.llamafactory import INFER_YAML, render_llamafactory_api
+from ktflow.stages.serve.needs import (
+    CandidateChoice,
+    CandidatePrice,
+    ServeSizes,
+    candidate_needs,
+    candidate_prices,
+    choose_candidate_mode,
+    measure_serve,
+    serve_needs,
+)
 from ktflow.stages.serve.process import smoke_test, start_server
 from ktflow.stages.serve.records import (
     API_KEY_FILE,
@@ -76,14 +99,14 @@ from ktflow.stages.serve.records import (
     read_endpoint,
     resolve_api_key,
 )
-from ktflow.stages.serve.sglang import LoadedAdapter, SglangAdapters, serve_python, swap_sglang_adapter
-from ktflow.stages.serve.stage import ServeSizes, candidate_needs, measure_serve, serve, serve_needs, stop, swap_adapter
+from ktflow.stages.serve.sglang.adapters import LoadedAdapter, SglangAdapters, dynamic_adapter, swap_sglang_adapter
 
 __all__ = [
-    "API_KEY_FILE", "AdapterRef", "ENDPOINT_FILE", "Endpoint", "FailedSwap", "INFER_YAML", "LLAMAFACTORY_KEY_ENV",
-    "LoadedAdapter", "MIN_KEY_LENGTH", "SERVER_LOG", "SERVER_MARKER", "SMOKE_PROMPT", "ServeSizes",
-    "SglangAdapters", "adapter_model_name", "api_key_for", "base_url", "candidate_needs", "client_host",
-    "dump_infer_yaml", "free_port", "is_alive", "label_endpoint_version", "measure_serve", "port_is_free",
-    "port_is_open", "read_endpoint", "render_llamafactory_api", "resolve_api_key", "serve", "serve_needs",
-    "serve_python", "smoke_test", "start_server", "stop", "swap_adapter", "swap_sglang_adapter",
+    "API_KEY_FILE", "AdapterRef", "Backend", "CandidateChoice", "CandidatePrice", "ENDPOINT_FILE", "Endpoint",
+    "FailedSwap", "INFER_YAML", "LLAMAFACTORY_KEY_ENV", "Launch", "LoadedAdapter", "MIN_KEY_LENGTH", "SERVER_LOG",
+    "SERVER_MARKER", "SMOKE_PROMPT", "ServeSizes", "SglangAdapters", "adapter_model_name", "api_key_for",
+    "backend_for", "base_url", "candidate_needs", "candidate_prices", "choose_candidate_mode", "client_host",
+    "dry_run", "dynamic_adapter", "free_port", "is_alive", "label_endpoint_version", "measure_serve",
+    "port_is_free", "port_is_open", "read_endpoint", "render_llamafactory_api", "resolve_api_key", "serve",
+    "serve_needs", "smoke_test", "start_server", "stop", "swap_adapter", "swap_sglang_adapter", "temporary_server",
 ]

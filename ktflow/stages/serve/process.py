@@ -198,19 +198,3 @@ def smoke_test(url: str, api_key: str, model: str, *, timeout_s: float = 120.0) 
         raise KtflowError(f"smoke test against {url}: the answer has no text content")
     return {"model": response.model, "content": content, "finish_reason": response.choices[0].finish_reason,
             "seconds": round(time.perf_counter() - started, 3)}
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """How one backend's server is started, and how to tell that it is ready."""
-
-    what: str  # for the log
-    python: Path  # the toolchain's python: its bin/ goes first on PATH
-    argv: list[str]
-    env: dict[str, str]
-    key_env: str  # the variable the server reads its API key from
-    model_name: str  # the model a client asks for (the adapter's, when one is served)
-    ready_url: str
-    expect_model: str | None
-    check_auth: bool
-    infer_path: Path | None = None

@@ -1,5 +1,5 @@
-"""The CPU backend: LlamaFactory's OpenAI-compatible API (``llamafactory-cli api``) from the training
-toolchain, with the adapter merged at load; one model per server."""
+"""``llamafactory-cli api``'s command line and inference config for a recipe (what the CPU backend starts, and what
+offline generation hands LlamaFactory's chat engine)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,14 @@ from typing import Any
 import yaml
 
 from ktflow.recipe import Recipe
-from ktflow.stages.serve.process import _Launch
-from ktflow.stages.serve.records import LLAMAFACTORY_KEY_ENV, adapter_model_name, base_url
-from ktflow.store import atomic_write_bytes
+from ktflow.stages.serve.records import adapter_model_name
 
 INFER_YAML = "infer.yaml"
 
 
-def _train_python(recipe: Recipe) -> Path:
-    # LlamaFactory's API (the CPU serving backend) comes with the training toolchain.
-    return recipe.toolchains.train.require("toolchains.train.python", "LlamaFactory", "train-env")
-
-
 def render_llamafactory_api(
     recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, train_python: Path, config_dir: Path,
-    port: int | None = None,
+    port: int | str | None = None,
 ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
     """``llamafactory-cli api`` for the recipe: ``(argv, env, infer_yaml)``.
 
@@ -58,18 +51,6 @@ def render_llamafactory_api(
     return argv, env, cfg
 
 
-def _llamafactory_launch(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, record_dir: Path,
-                         port: int) -> _Launch:
-    """LlamaFactory's API in the training toolchain; readiness is /v1/models listing the model."""
-    python = _train_python(recipe)
-    argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter_dir,
-                                               train_python=python, config_dir=record_dir, port=port)
-    atomic_write_bytes(record_dir / INFER_YAML, yaml.safe_dump(infer, sort_keys=False).encode())
-    model_name = env["API_MODEL_NAME"]
-    return _Launch(what="llamafactory-cli api", python=python, argv=argv, env=env, key_env=LLAMAFACTORY_KEY_ENV,
-                   model_name=model_name, ready_url=f"{base_url(recipe.serving.host, port)}/models",
-                   expect_model=model_name, check_auth=True, infer_path=record_dir / INFER_YAML)
-
-
 def dump_infer_yaml(infer: Mapping[str, Any]) -> str:
+    """``infer.yaml``'s text: the config in the order it was built."""
     return yaml.safe_dump(dict(infer), sort_keys=False)

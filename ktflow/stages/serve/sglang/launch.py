@@ -1,4 +1,4 @@
-"""The serve stage's launch command: ``sglang.launch_server`` of sglang-kt 0.7.2 (KT's SGLang fork).
+"""sglang-kt's launch command: ``sglang.launch_server`` of sglang-kt 0.7.2 (KT's SGLang fork).
 
 :func:`render_sglang_launch` turns a recipe and the stage inputs into the exact argv and extra
 environment of one sglang-kt server: the KT CPU-expert flags, the one KT LoRA adapter
@@ -11,14 +11,14 @@ combination that would fail or misbehave at startup, tens of minutes into loadin
   ``BF16``/``AMXBF16`` (checked with :func:`ktflow.formats.checkpoint.inspect_checkpoint`), and for
   ``AMXINT8`` a quantize-int8 output whose manifest says it was quantized with the same
   ``--kt-threadpool-count`` T (the INT8 layout depends on T), in kt-kernel's ``.kt`` layout when
-  the adapter carries an expert LoRA (the serve stage writes it: :mod:`ktflow.stages.serve.sglang_inputs`);
+  the adapter carries an expert LoRA (the serve stage writes it: :mod:`ktflow.stages.serve.sglang.inputs`);
 - ``--kt-cpuinfer`` at most the host's physical cores (and at least T: kt-kernel gives each of
   the T pools ``cpuinfer // T`` threads), the tensor parallel size at most the host's GPUs;
-- the KT LoRA rules (``--kt-num-gpu-experts 0``, no prefill threshold, no dynamic expert update,
-  ``--max-running-requests >= 2``), checked again because the argv is what sglang-kt sees;
-- ``serving.extra_args`` may not set, alias or abbreviate a flag ktflow owns (argparse accepts
-  unique prefixes, and the last occurrence wins, so ``--kt-thread 4`` would silently override
-  ``--kt-threadpool-count``).
+- the adapter is a converted one (:func:`ktflow.formats.adapter.check_servable_adapter`).
+
+The KT LoRA rules and the flags ``serving.extra_args`` may not set are the recipe's
+(:class:`ktflow.recipe.ServingConfig`, which validates every change): a recipe that breaks them never
+reaches this module.
 
 The API key. sglang-kt's ServerArgs reads the key only from ``--api-key`` (no environment
 variable, no key file; ``--config FILE.yaml`` could carry it, but that is a second copy of the
@@ -43,13 +43,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from ktflow.errors import AdapterError, HostRequirementError, InvalidInputError
+from ktflow.errors import HostRequirementError, InvalidInputError
+from ktflow.formats.adapter import check_servable_adapter, has_expert_lora
 from ktflow.formats.checkpoint import inspect_checkpoint, load_config
+from ktflow.formats.kt_layout import has_kt_layout
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
+from ktflow.resources import QUANTIZE_INT8_STAGE
+from ktflow.stages.serve.sglang.inputs import KT_LAYOUT_STAGE
 from ktflow.store import StageManifest, read_manifest
 
-QUANTIZE_INT8_STAGE = "quantize-int8"  # ktflow.stages.quantize_int8.STAGE (not imported: it pulls in the driver)
 LAUNCH_MODULE = "sglang.launch_server"
 LORA_CACHE_ENV = "SGLANG_KT_LORA_CACHE_DIR"  # where sglang-kt splits a merged KT adapter (default /tmp)
 # What every sglang-kt server needs in its environment (in every rendered launch, so `ktflow serve --dry-run` shows
@@ -57,7 +60,7 @@ LORA_CACHE_ENV = "SGLANG_KT_LORA_CACHE_DIR"  # where sglang-kt splits a merged K
 # SGLANG_APPLY_CONFIG_BACKUP=auto, which replaces the config.json of ANY DeepSeek-family checkpoint (model_type
 # deepseek*, or an architecture naming DeepSeek: DeepSeek-V3, Kimi K2/K2.5) with a packaged DeepSeek-V4 config
 # (config_backup_small/large.json: 4096 hidden, 256 experts, NSA indexer): the server then builds another model
-# than the one trained (seen on the GPU host, 2026-11-26: the NSA Indexer of the packaged config failed on a
+# than the one trained (seen on the GPU host: the NSA Indexer of the packaged config failed on a
 # missing deep_gemm). "none" reads the checkpoint's own config.
 SERVER_ENV_DEFAULTS: dict[str, str] = {"SGLANG_APPLY_CONFIG_BACKUP": "none"}
 
@@ -67,49 +70,6 @@ _NATIVE_FORMATS: dict[str, frozenset[str]] = {
     "FP8": frozenset({"deepseek-v3-fp8"}),
     "BF16": frozenset({"bf16"}),
     "AMXBF16": frozenset({"bf16"}),
-}
-
-# Flags ktflow sets (or that must not be set with a KT LoRA adapter), aliases included, with the
-# recipe field to use instead. serving.extra_args may not name them, nor abbreviate them.
-OWNED_FLAGS: dict[str, str] = {
-    "--model-path": "ktflow passes the model directory of the pipeline",
-    "--model": "ktflow passes the model directory of the pipeline (--model is --model-path)",
-    "--kt-weight-path": "ktflow passes the expert weights for serving.kt_method",
-    "--kt-method": "set serving.kt_method",
-    "--kt-cpuinfer": "set serving.kt_cpuinfer",
-    "--kt-threadpool-count": "set serving.kt_threadpool_count",
-    "--kt-num-gpu-experts": "set serving.kt_num_gpu_experts (must be 0 with a KT LoRA adapter)",
-    "--kt-gpu-experts-ratio": "it overrides --kt-num-gpu-experts, which must be 0 with a KT LoRA adapter",
-    "--kt-gpu-prefill-token-threshold": "it cannot be used with a KT LoRA adapter",
-    "--kt-enable-dynamic-expert-update": "it cannot be used with a KT LoRA adapter",
-    "--kt-lora-path": "ktflow serves the converted adapter through --lora-paths",
-    "--kt-expert-lora-path": "ktflow serves the converted adapter through --lora-paths",
-    "--tensor-parallel-size": "set serving.gpus",
-    "--tp-size": "set serving.gpus",
-    "--pipeline-parallel-size": "KT LoRA serving is tensor parallel only",
-    "--pp-size": "KT LoRA serving is tensor parallel only",
-    "--host": "set serving.host",
-    "--port": "set serving.port",
-    "--served-model-name": "set serving.served_model_name",
-    "--api-key": "export the key in the variable serving.api_key_env names; a key in argv is visible in ps",
-    "--admin-api-key": "a key in argv is visible to every local user in ps",
-    "--enable-lora": "ktflow always serves the tuned adapter",
-    "--lora-backend": "set serving.lora_backend",
-    "--lora-paths": "sglang-kt serves exactly one KT adapter; set serving.adapter_name",
-    "--max-running-requests": "set serving.max_running_requests",
-    "--context-length": "set serving.context_length",
-    "--chunked-prefill-size": "set serving.chunked_prefill_size",
-    "--mem-fraction-static": "set serving.mem_fraction_static",
-    "--max-total-tokens": "set serving.max_total_tokens (ktflow plan counts the KV pool from it)",
-    "--attention-backend": "set serving.attention_backend",
-    "--sampling-backend": "set serving.sampling_backend",
-    "--grammar-backend": "set serving.grammar_backend",
-    "--dtype": "set serving.dtype",
-    "--disable-cuda-graph": "set serving.disable_cuda_graph",
-    "--disable-radix-cache": "set serving.disable_radix_cache",
-    "--config": "it reads more flags from a file ktflow does not check",
-    "--help": "it prints the help and exits",
-    "-h": "it prints the help and exits",
 }
 
 # Runs in the server's Python as `python -c LAUNCHER <launch_server args>`; {env} is the variable's
@@ -173,7 +133,7 @@ def is_loopback(host: str) -> bool:
 def render_sglang_launch(
     recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapter_dir: Path | None, serve_python: Path, host: HostInfo,
     api_key_env_present: bool = True, lora_cache_dir: Path | None = None, check_files: bool = True,
-    port: int | None = None,
+    port: int | str | None = None,
 ) -> SglangLaunch:
     """Render the sglang-kt launch for ``recipe``'s serving section, after checking it can work.
 
@@ -202,8 +162,7 @@ def render_sglang_launch(
 
     Raises:
         InvalidInputError: the weights do not fit ``serving.kt_method`` (or the AMXINT8 weights were
-            quantized with another ``kt_threadpool_count``), the adapter is not a converted one,
-            ``serving.extra_args`` sets a flag ktflow owns, or a KT LoRA rule is broken.
+            quantized with another ``kt_threadpool_count``), or the adapter is not a converted one.
         HostRequirementError: ``kt_cpuinfer`` above the physical cores (or below T), more tensor
             parallel ranks than GPUs, or no API key for a non-loopback bind address.
         CheckpointError: a checkpoint directory is missing or malformed.
@@ -214,8 +173,6 @@ def render_sglang_launch(
             "serving.backend", f"is '{serving.backend}' (kt_method {serving.kt_method}); the sglang-kt launch needs "
             "backend sglang with a kt_method.", "set serving.backend: sglang and serving.kt_method",
         )
-    _check_lora_rules(recipe)
-    _check_extra_args(serving.extra_args)
     cpuinfer = _check_host(recipe, host, api_key_env_present)
     model_dir, kt_weight_dir = Path(model_dir).absolute(), Path(kt_weight_dir).absolute()
     adapter_dir = Path(adapter_dir).absolute() if adapter_dir is not None else None
@@ -223,7 +180,7 @@ def render_sglang_launch(
         _check_model_dir(model_dir)
         int8_t = _check_kt_weights(recipe, kt_weight_dir)
         if adapter_dir is not None:
-            _check_adapter(adapter_dir)
+            check_servable_adapter(adapter_dir)
             _check_expert_lora_layout(recipe, kt_weight_dir, adapter_dir)
     else:
         int8_t = serving.kt_threadpool_count if serving.kt_method == "AMXINT8" else None
@@ -292,8 +249,6 @@ def served_kt_method(method: str, adapter_dir: Path | None) -> str:
         return method
     if adapter_dir is None:
         return "BF16"
-    from ktflow.stages.serve.sglang_inputs import has_expert_lora
-
     weights = Path(adapter_dir) / "adapter_model.safetensors"
     known = weights.is_file() and weights.stat().st_size > 0
     return "BF16" if known and not has_expert_lora(adapter_dir) else method
@@ -342,38 +297,6 @@ def _check_api_key(recipe: Recipe, api_key_env_present: bool) -> None:
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_lora_rules(recipe: Recipe) -> None:
-    """The KT fork's LoRA serving rules (the recipe validator has them too; the argv is what counts)."""
-    s = recipe.serving
-    broken = []
-    if s.kt_num_gpu_experts != 0:
-        broken.append(("serving.kt_num_gpu_experts", f"is {s.kt_num_gpu_experts}; must be 0 with a KT LoRA adapter"))
-    if s.kt_gpu_prefill_token_threshold is not None:
-        broken.append(("serving.kt_gpu_prefill_token_threshold", "cannot be used with a KT LoRA adapter"))
-    if s.kt_enable_dynamic_expert_update:
-        broken.append(("serving.kt_enable_dynamic_expert_update", "cannot be used with a KT LoRA adapter"))
-    if s.max_running_requests < 2:
-        broken.append(("serving.max_running_requests", f"is {s.max_running_requests}; KT LoRA serving needs >= 2"))
-    if broken:
-        field, reason = broken[0]
-        raise InvalidInputError(field, reason, "fix the recipe's serving section (see recipes/kimi-k2.5-rawint4.yaml)")
-
-
-def _check_extra_args(extra: list[str]) -> None:
-    for token in extra:
-        if not token.startswith("-") or token[1:2].isdigit() or token in ("-", "--"):
-            continue  # a value (negative numbers included), not a flag
-        flag = token.split("=", 1)[0]
-        owned = flag if flag in OWNED_FLAGS else next(
-            (o for o in OWNED_FLAGS if flag.startswith("--") and len(flag) > 2 and o.startswith(flag)), None)
-        if owned is not None:
-            how = "is" if owned == flag else f"abbreviates {owned} (argparse accepts unique prefixes), which is"
-            raise InvalidInputError(
-                f"serving.extra_args: {token}",
-                f"{how} a flag ktflow sets or refuses (the last occurrence would win).", OWNED_FLAGS[owned],
-            )
 
 
 def _check_model_dir(model_dir: Path) -> None:
@@ -426,15 +349,11 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
 
 def _int8_stages() -> frozenset[str]:
     """The artifacts that hold AMXINT8 experts: quantize-int8's output, and the serve stage's ``.kt`` layout of it."""
-    from ktflow.stages.serve.sglang_inputs import KT_LAYOUT_STAGE
-
     return frozenset({QUANTIZE_INT8_STAGE, KT_LAYOUT_STAGE})
 
 
 def _check_expert_lora_layout(recipe: Recipe, kt_dir: Path, adapter_dir: Path) -> None:
     """AMXINT8 with an expert LoRA reads kt-kernel's ``.kt`` files only (the serve stage makes them)."""
-    from ktflow.stages.serve.sglang_inputs import has_expert_lora, has_kt_layout
-
     if recipe.serving.kt_method == "AMXINT8" and has_expert_lora(adapter_dir) and not has_kt_layout(kt_dir):
         raise InvalidInputError(
             f"kt_weight_dir {kt_dir}",
@@ -442,7 +361,7 @@ def _check_expert_lora_layout(recipe: Recipe, kt_dir: Path, adapter_dir: Path) -
             "the experts through kt-kernel's AMXINT8_SFT, which reads only that layout (not quantize-int8's "
             "blk.* safetensors).",
             "serve through ktflow's serve stage (it writes the .kt layout once, "
-            "ktflow.stages.serve.sglang_inputs.int8_kt_layout), or pass that layout",
+            "ktflow.stages.serve.sglang.inputs.int8_kt_layout), or pass that layout",
         )
 
 
@@ -474,18 +393,3 @@ def _check_int8_weights(kt_dir: Path, manifest: StageManifest | None, t: int) ->
             f"set serving.kt_threadpool_count: {quantized_t}, or re-run quantize-int8 with T={t}",
         )
     return quantized_t
-
-
-def _check_adapter(adapter_dir: Path) -> None:
-    if not adapter_dir.is_dir():
-        raise AdapterError(f"adapter_dir {adapter_dir}", "does not exist." if not adapter_dir.exists()
-                           else "is not a directory.", "pass the convert-lora stage's output")
-    if (adapter_dir / "fused_expert_lora.safetensors").exists():
-        raise AdapterError(
-            f"adapter_dir {adapter_dir}", "is a raw KT training adapter (fused_expert_lora.safetensors); sglang-kt "
-            "refuses it.", "convert it first (`ktflow convert-lora`) and serve the converted directory",
-        )
-    missing = [n for n in ("adapter_config.json", "adapter_model.safetensors") if not (adapter_dir / n).is_file()]
-    if missing:
-        raise AdapterError(f"adapter_dir {adapter_dir}", f"has no {' and no '.join(missing)}; it is not a LoRA "
-                           "adapter.", "pass the convert-lora stage's output")

@@ -3,9 +3,8 @@
 Two preparations, each applied only when the checkpoint (or the adapter) needs it, said in the log,
 and made atomically (a staging directory renamed into place: no server or stage ever reads a
 half-written one). Both were first done by hand on the GPU host (``gpu_host/serve_check.py``
-``served-model`` and ``int8-kt-layout``; docs/benchmarks/sglang-serve, "What it took" 4, 7 and 8);
-the serve stage now does them itself before every sglang-kt start (serve, swap, rollback, a
-candidate's server).
+``served-model`` and ``int8-kt-layout``; benchmarks/data/sglang-serve); the serve stage does them
+itself before every sglang-kt start (serve, swap, rollback, a candidate's server).
 
 **The model directory** (``--model-path``), :func:`sglang_model_view`:
 
@@ -53,7 +52,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -64,6 +62,7 @@ import psutil
 from pydantic import BaseModel
 
 from ktflow.errors import CheckpointError, KtflowError
+from ktflow.formats.adapter import has_expert_lora
 from ktflow.formats.checkpoint import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -74,9 +73,10 @@ from ktflow.formats.checkpoint import (
     read_weight_map,
     text_config,
 )
+from ktflow.formats.kt_layout import SHARD_KEY, has_kt_layout, kt_file_name, kt_files_of_layer
 from ktflow.formats.safetensors_io import SafetensorsWriter, fsync_dir, read_header
 from ktflow.recipe import Recipe
-from ktflow.stages.sglang_launch import QUANTIZE_INT8_STAGE
+from ktflow.resources import QUANTIZE_INT8_STAGE
 from ktflow.store import (
     MANIFEST_NAME,
     StageManifest,
@@ -111,9 +111,6 @@ MOONVIT_CONFIG_FIELDS = ("merge_kernel_size", "init_pos_emb_height", "num_hidden
 _CARRIED_KEYS = ("quantization_config", "tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id")
 
 KT_LAYOUT_STAGE = "int8-kt-layout"
-# sglang-kt's own test of whether an adapter tensor is an expert LoRA (server_args._is_kt_expert_lora_key).
-_EXPERT_LORA_MODULES = (".gate_proj.", ".up_proj.", ".down_proj.")
-_INT8_KEY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
 _COPY_CHUNK = 1 << 24
 
 
@@ -298,29 +295,6 @@ def _pieces(f: Any, start: int, nbytes: int):
 # --------------------------------------------------------------------------- AMXINT8 expert weights
 
 
-def has_expert_lora(adapter_dir: Path) -> bool:
-    """Whether the converted adapter carries an expert LoRA (sglang-kt then serves the experts through
-    kt-kernel's SFT kernels): a tensor of a routed expert's gate/up/down projection, as sglang-kt tells."""
-    weights = Path(adapter_dir) / "adapter_model.safetensors"
-    if not weights.is_file() or weights.stat().st_size == 0:
-        return False
-    try:
-        names = read_header(weights).tensors
-    except CheckpointError:
-        return False  # sglang-kt's own loader says what is wrong with it
-    return any(".mlp.experts." in n and any(m in n for m in _EXPERT_LORA_MODULES) for n in names)
-
-
-def has_kt_layout(weight_dir: Path) -> bool:
-    """Whether ``weight_dir`` holds kt-kernel's ``_layer_L/_numa_0/*.kt`` files (what AMXINT8_SFT reads)."""
-    return any(True for layer in Path(weight_dir).glob("_layer_*") for _ in (layer / "_numa_0").glob("*.kt"))
-
-
-def kt_file_name(layer: int, numa: int, proj: str, expert: int, nbytes: int, kind: str) -> str:
-    """kt-kernel cpu_save's name for one slice, relative (:func:`ktflow._drivers.kt_int8.kt_file`)."""
-    return f"_layer_{layer}/_numa_{numa}/INT8_{proj}_{expert}_{nbytes}Byte_{kind}_.kt"
-
-
 def kt_layout_dir_for(recipe: Recipe, int8_dir: Path) -> Path:
     """Where the ``.kt`` layout of the quantize-int8 output ``int8_dir`` is published in the recipe's store."""
     manifest = read_manifest(int8_dir)
@@ -416,7 +390,7 @@ def _int8_slices(int8_dir: Path) -> list[tuple[str, int, str, int]]:
     slices = []
     for shard in sorted(int8_dir.glob("*.safetensors")):
         for name, info in read_header(shard).tensors.items():
-            m = _INT8_KEY.match(name)
+            m = SHARD_KEY.match(name)
             if m is None:
                 continue
             layer, proj, expert, numa, kind = int(m[1]), m[2], int(m[3]), int(m[4]), m[5]
@@ -433,15 +407,7 @@ def _check_slices(int8_dir: Path, manifest: StageManifest, slices: list[tuple[st
     if not all(isinstance(v, int) for v in (t, experts, hidden, inter)) or not isinstance(layers, list):
         raise KtflowError(f"{int8_dir / MANIFEST_NAME} does not say the INT8 layout (threadpool_count, experts, "
                           "hidden, moe_intermediate, layers); re-run the quantize-int8 stage")
-    expected = set()
-    for layer in layers:
-        for numa in range(t):
-            for expert in range(experts):
-                for proj in ("gate", "up", "down"):
-                    n = inter // t
-                    nbytes, scales = (hidden * n, hidden) if proj == "down" else (n * hidden, n)
-                    expected.add(kt_file_name(layer, numa, proj, expert, nbytes, "quant"))
-                    expected.add(kt_file_name(layer, numa, proj, expert, 4 * scales, "scale"))
+    expected = set().union(*(kt_files_of_layer(layer, t, experts, hidden, inter) for layer in layers))
     found = [rel for _, _, rel, _ in slices]
     if len(found) != len(set(found)) or set(found) != expected:
         missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)

@@ -1,20 +1,20 @@
-"""The serve stage: start the recipe's endpoint (validated, preflighted, health-gated, smoke-tested,
-recorded), stop it, swap its adapter with a rollback, and what serving and a candidate cost a host."""
+"""The serve stage's lifecycle: start the recipe's endpoint (validated, preflighted, health-gated, smoke-tested,
+recorded), stop it, swap its adapter with a rollback, a temporary server for the length of a block, and the dry
+run (the launch the serve stage would start, with nothing made or started). The backend is picked here, once
+(:func:`backend_for`); everything else is the same for both."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
-from pydantic import BaseModel
 
 from ktflow.errors import (
-    AdapterError,
     CheckpointError,
     HostRequirementError,
     InvalidInputError,
@@ -22,17 +22,19 @@ from ktflow.errors import (
     ServerStartError,
     SwapError,
 )
+from ktflow.host import hardware
+from ktflow.host.hardware import GpuInfo, HostInfo
 from ktflow.host.process import (
     TERMINATE_GRACE_S,
     Guardian,
     terminate_tree,
 )
-from ktflow.planning.sizing import ModelSize, model_size
-from ktflow.planning.stage_plan import host_requirements
 from ktflow.recipe import Recipe
-from ktflow.resources import GpuNeed, RamNeed, Resources, preflight
-from ktflow.stages.serve.llamafactory import _llamafactory_launch, _train_python
-from ktflow.stages.serve.process import _Launch, _reap_marked, smoke_test, start_server
+from ktflow.resources import preflight
+from ktflow.stages.serve.backend import Backend, Launch
+from ktflow.stages.serve.llamafactory import BACKEND as LLAMAFACTORY
+from ktflow.stages.serve.needs import measure_serve, serve_needs
+from ktflow.stages.serve.process import _reap_marked, smoke_test, start_server
 from ktflow.stages.serve.records import (
     ENDPOINT_FILE,
     SERVER_LOG,
@@ -45,19 +47,19 @@ from ktflow.stages.serve.records import (
     _recipe_port,
     _write_endpoint,
     base_url,
+    free_port,
     is_alive,
     port_is_free,
     read_endpoint,
     resolve_api_key,
 )
-from ktflow.stages.serve.sglang import _sglang_launch, serve_python
+from ktflow.stages.serve.sglang import BACKEND as SGLANG
 from ktflow.store import read_manifest
-from ktflow.units import GiB
 
 
-def _server_python(recipe: Recipe) -> Path:
-    """The python the recipe's server runs in (raises HostRequirementError when it is missing)."""
-    return serve_python(recipe) if recipe.serving.backend == "sglang" else _train_python(recipe)
+def backend_for(recipe: Recipe) -> Backend:
+    """The backend that serves ``recipe`` (``serving.backend``)."""
+    return SGLANG if recipe.serving.backend == "sglang" else LLAMAFACTORY
 
 
 def _check_model_dir(model_dir: Path) -> Path:
@@ -68,164 +70,11 @@ def _check_model_dir(model_dir: Path) -> Path:
     return model_dir
 
 
-def _check_adapter(adapter_dir: Path, model_dir: Path, validate: bool) -> Path:
-    adapter_dir = Path(adapter_dir).absolute()
-    if (adapter_dir / "fused_expert_lora.safetensors").is_file():
-        raise AdapterError(str(adapter_dir), "is a KT fused-expert adapter, which LlamaFactory's HuggingFace "
-                                             "backend cannot apply", "serve the convert-lora stage's output instead")
-    if validate:
-        from ktflow.stages.convert_lora import validate_adapter
-
-        validate_adapter(adapter_dir, model_dir)
-    elif not adapter_dir.is_dir():
-        raise AdapterError(str(adapter_dir), "does not exist", "pass the SFT stage's adapter directory")
-    return adapter_dir
-
-
-class ServeSizes(BaseModel):
-    """What the serve stage's needs are a function of."""
-
-    model: ModelSize  # the checkpoint the server loads (sglang: its non-expert weights go to the GPUs)
-    kt_weight_bytes: int = 0  # sglang: the CPU expert weights as ``serving.kt_method`` reads them
-
-
-def measure_serve(model_dir: Path, kt_weight_dir: Path | None = None) -> ServeSizes:
-    """The sizes :func:`serve_needs` reads, from headers only.
-
-    Raises:
-        CheckpointError: a config or header cannot be read.
-    """
-    kt_bytes = 0
-    if kt_weight_dir is not None:
-        kt = model_size(kt_weight_dir)
-        kt_bytes = kt.expert_stored_bytes or kt.stored_bytes  # quantize-int8's output holds experts only
-    return ServeSizes(model=model_size(model_dir), kt_weight_bytes=kt_bytes)
-
-
-def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
-    """What serving ``recipe`` needs of its host: the CPU experts in RAM and the rest on the GPUs
-    (sglang-kt), or the whole model in RAM (LlamaFactory's CPU API); both in BF16 where not quantized.
-    sglang's KV pool is counted where ``serving.max_total_tokens`` bounds it and the model's KV geometry is
-    known (:func:`kv_pool_bytes`); otherwise it comes on top (sglang gives it what the GPU has left) and the
-    GPU figure is a lower bound, said so in its ``why``.
-    """
-    serving = recipe.serving
-    requirement = host_requirements(recipe)["serve"]
-    if serving.backend == "llamafactory":
-        return Resources(host=requirement, ram=RamNeed(
-            bytes=2 * sizes.model.parameters, what="serve", why="the model in BF16 with the adapter merged"))
-    gpus = max(serving.gpus, 1)
-    pool = kv_pool_bytes(recipe, sizes.model)
-    weights_why = "the non-expert weights in BF16, split over the tensor-parallel ranks"
-    if pool is not None:
-        kv_why = (f", and a KV pool of {serving.max_total_tokens:,} tokens x {sizes.model.kv_bytes_per_token:,} B "
-                  f"({'an MLA latent, whole on each rank' if sizes.model.kv_latent else 'split over the ranks'})")
-    elif serving.max_total_tokens is not None:
-        kv_why = f"; the KV pool of {serving.max_total_tokens:,} tokens comes on top (the model's KV size is unknown)"
-    else:
-        kv_why = ("; the KV pool comes on top (sglang gives it the GPU memory left: set serving.max_total_tokens to "
-                  "bound it and count it here)")
-    return Resources(
-        host=requirement,
-        ram=RamNeed(bytes=sizes.kt_weight_bytes, what="serve", why=f"the CPU experts as {serving.kt_method}",
-                    of="installed", numa_pools=serving.kt_threadpool_count),
-        gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus + (pool or 0), gpus=gpus,
-                    field="serving.gpus", what="sglang-kt", why=weights_why + kv_why),
-    )
-
-
-def kv_pool_bytes(recipe: Recipe, model: ModelSize) -> int | None:
-    """One GPU's share of sglang's KV pool when ``serving.max_total_tokens`` bounds it (None: unbounded, or the
-    model's KV geometry unknown). An MLA latent is held whole on every tensor-parallel rank; per-head keys and
-    values are split over the ranks by KV head.
-    """
-    tokens = recipe.serving.max_total_tokens
-    if tokens is None or not model.kv_bytes_per_token:
-        return None
-    total = tokens * model.kv_bytes_per_token
-    return total if model.kv_latent else total // max(recipe.serving.gpus, 1)
-
-
-# How many servers judging a candidate starts beside production, per mode (the evaluation asks the base model
-# through a server of its own: LlamaFactory's API serves one model per process, and sglang-kt refuses base
-# requests on a server whose expert LoRA is loaded). beside with serving.dynamic_lora: none (see candidate_needs).
-CANDIDATE_SERVERS = {"beside": 2, "offline": 0, "swap": 1}
-
-
-def candidate_servers(recipe: Recipe, mode: str) -> int:
-    """The servers judging a candidate in ``mode`` runs beside production's (or, ``swap``, beside the
-    candidate serving in its place)."""
-    if mode == "beside" and recipe.serving.backend == "sglang" and recipe.serving.dynamic_lora:
-        return 0  # a second adapter name on production's server, which answers base requests too
-    return CANDIDATE_SERVERS[mode]
-
-
-def candidate_needs(recipe: Recipe, sizes: ServeSizes, mode: str) -> Resources:
-    """What judging a candidate costs on top of production (``evaluation.candidate``).
-
-    ``beside``: a second adapter name on the server where it loads adapters at run time (a few MB;
-    plain SGLang's ``serving.dynamic_lora``), else a server for the candidate and one for the base
-    model beside production (:func:`serve_needs` twice: for sglang-kt each holds its own copy of the
-    CPU experts in RAM and its non-expert weights on the same GPUs). ``offline``: the training
-    toolchain generating with the model in BF16 in RAM (LlamaFactory's chat engine on CPU).
-    ``swap``: the candidate serves in production's place while it is judged; the base model is
-    asked through a server of its own beside it (:func:`serve_needs` once).
-    """
-    if mode == "offline":
-        return Resources(ram=RamNeed(bytes=2 * sizes.model.parameters, what="offline candidate generation",
-                                     why="the model in BF16 in the training toolchain"))
-    servers = candidate_servers(recipe, mode)
-    if servers == 0:
-        return Resources()
-    one = serve_needs(recipe, sizes)
-    what = "judging the candidate"
-    each = {2: "two more servers, the candidate's and the base model's, each with ",
-            1: "one more server, the base model's, beside the candidate serving in production's place, with "}[servers]
-    ram = one.ram.model_copy(update={"bytes": servers * one.ram.bytes, "what": what,
-                                     "why": f"{each}{one.ram.why}"}) if one.ram else None
-    gpu = one.gpu.model_copy(update={"bytes": servers * one.gpu.bytes, "what": what,
-                                     "why": f"{each}{one.gpu.why}"}
-                             ) if one.gpu else None
-    return Resources(ram=ram, gpu=gpu)
-
-
-def candidate_gpu_shortfall(recipe: Recipe, sizes: ServeSizes, mode: str, host: Any) -> str | None:
-    """Why the servers judging a candidate in ``mode`` do not fit on the GPUs production serves from
-    (None: they do, or no GPU is involved).
-
-    sglang sizes a server's static memory (weights and KV cache) as ``mem_fraction_static`` f of the
-    GPU memory free when it starts: production takes f of each GPU, the next server f of what is
-    left, and so on, so the n-th server beside production gets f (1 - f)^n of it, which must hold
-    its non-expert weights. With f unset, sglang-kt gives production all of each GPU but its
-    activation reserve: no second server fits.
-    """
-    serving = recipe.serving
-    servers = candidate_servers(recipe, mode)
-    gpus = host.gpus[: max(serving.gpus, 1)]
-    if serving.backend != "sglang" or servers == 0 or not gpus:
-        return None
-    who = {2: "the candidate's and the base model's servers", 1: "the base model's server"}[servers]
-    f = serving.mem_fraction_static
-    if f is None:
-        return (f"{who} would share the GPUs with production, but serving.mem_fraction_static is unset: sglang-kt "
-                "then sizes production's weights and KV cache to all of each GPU but its activation reserve; set it "
-                "(every server of the recipe takes that fraction of the GPU memory free when it starts)")
-    weights = 2 * sizes.model.non_expert_parameters // max(serving.gpus, 1)
-    for g in gpus:
-        room = f * (1 - f) ** servers * g.vram_bytes
-        if weights > room:
-            return (f"{who} would share GPU {g.index} ({g.name}, {g.vram_bytes / GiB:.1f} GiB) with production: each "
-                    f"sglang server takes mem_fraction_static {f} of the GPU memory free when it starts, which leaves "
-                    f"the last one {room / GiB:.2f} GiB, less than its non-expert weights in BF16 "
-                    f"({weights / GiB:.2f} GiB)")
-    return None
-
-
 def _start_endpoint(
     recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, record_dir: Path, api_key: str,
     key_file: Path | None, port: int, previous: AdapterRef | None, last_failed_swap: FailedSwap | None,
     log: Callable[[str], None] | None, die_with_parent: bool, kt_weight_dir: Path | None = None,
-    host: Any = None,
+    host: HostInfo | None = None,
 ) -> Endpoint:
     serving = recipe.serving
     if not port_is_free(serving.host, port):
@@ -234,12 +83,9 @@ def _start_endpoint(
             "stop what listens there (`ktflow serve --stop` if it is an earlier endpoint) or set serving.port",
         )
     child_env = {k: v for k, v in os.environ.items() if k != serving.api_key_env}
-    if serving.backend == "sglang":
-        launch = _sglang_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, kt_weight_dir=kt_weight_dir,
-                                record_dir=record_dir, port=port, host=host, log=log)
-    else:
-        launch = _llamafactory_launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir,
-                                      port=port)
+    launch = backend_for(recipe).launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir,
+                                        kt_weight_dir=kt_weight_dir, record_dir=record_dir, port=port, host=host,
+                                        log=log)
     child_env.update(launch.env)
     child_env["PATH"] = f"{launch.python.parent}{os.pathsep}{child_env.get('PATH', '')}"
     manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
@@ -258,7 +104,7 @@ def _start_endpoint(
                            die_with_parent=die_with_parent, timeout_s=serving.ready_timeout_s)
 
 
-def _start_and_gate(endpoint: Endpoint, launch: _Launch, env: dict[str, str], api_key: str, *, record_dir: Path,
+def _start_and_gate(endpoint: Endpoint, launch: Launch, env: dict[str, str], api_key: str, *, record_dir: Path,
                     log: Callable[[str], None] | None, die_with_parent: bool, timeout_s: float) -> Endpoint:
     """Start the server, health-gate and smoke-test it, and record it (``starting``, then ``ready``)."""
 
@@ -331,15 +177,15 @@ def serve(
     log: Callable[[str], None] | None = None,
     die_with_parent: bool = False,
     kt_weight_dir: Path | None = None,
-    host: Any = None,
+    host: HostInfo | None = None,
 ) -> Endpoint:
     """Start the recipe's endpoint and record it in ``record_dir/endpoint.json``.
 
     ``llamafactory`` (CPU): LlamaFactory's API with the adapter merged at load. ``sglang``: sglang-kt
-    in the serving toolchain with the launch :func:`ktflow.stages.sglang_launch.render_sglang_launch`
+    in the serving toolchain with the launch :func:`ktflow.stages.serve.sglang.launch.render_sglang_launch`
     renders (``kt_weight_dir`` holds the CPU expert weights for ``serving.kt_method``; ``host`` is
     the HostInfo to check it against, default this host's probe), ready on ``/health``; the model
-    and the experts as sglang-kt reads them (:mod:`ktflow.stages.serve.sglang_inputs`: a view of a
+    and the experts as sglang-kt reads them (:mod:`ktflow.stages.serve.sglang.inputs`: a view of a
     checkpoint it cannot load as it is, the ``.kt`` layout of AMXINT8 experts served with an expert
     LoRA), made at the first start and said in ``log``.
 
@@ -358,8 +204,8 @@ def serve(
         HostRequirementError: the port is taken, or the toolchain is missing.
         ServerStartError: the server failed to start, to become ready or its smoke test.
     """
-    sglang = recipe.serving.backend == "sglang"
-    if sglang and kt_weight_dir is None:
+    backend = backend_for(recipe)
+    if backend is SGLANG and kt_weight_dir is None:
         raise InvalidInputError("kt_weight_dir", "the sglang backend needs the CPU expert weights",
                                 "pass the weights for serving.kt_method")
     record_dir = Path(record_dir).absolute()
@@ -372,7 +218,7 @@ def serve(
         stop(record_dir)  # a stale record (the server died): clean it and what it may have left
     model_dir = _check_model_dir(model_dir)
     if adapter_dir is not None:
-        adapter_dir = Path(adapter_dir).absolute() if sglang else _check_adapter(adapter_dir, model_dir, validate)
+        adapter_dir = backend.check_adapter(adapter_dir, model_dir=model_dir, validate=validate)
     host = preflight("serve", serve_needs(recipe, measure_serve(model_dir, kt_weight_dir)), record_dir, host=host)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     return _start_endpoint(
@@ -432,19 +278,17 @@ def swap_adapter(
     if current is None:
         raise KtflowError(f"no endpoint is recorded in {record_dir}; start one with serve() first")
     model_dir = _check_model_dir(model_dir)
-    sglang = recipe.serving.backend == "sglang"  # its adapter is converted for SGLang: serve() does not validate it
-    new_adapter_dir = Path(new_adapter_dir).absolute() if sglang else _check_adapter(new_adapter_dir, model_dir,
-                                                                                       validate)
+    backend = backend_for(recipe)
+    new_adapter_dir = backend.check_adapter(new_adapter_dir, model_dir=model_dir, validate=validate)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     good, good_previous = _last_good(current, record_dir)
     port = current.port or _recipe_port(recipe, log)
-    _server_python(recipe)  # a missing toolchain is refused while the old server still serves
-    if sglang and kt_weight_dir is not None:
-        # what sglang-kt is given (a model view, the AMXINT8 .kt layout) is made while the old server still serves
-        from ktflow.stages.serve.sglang_inputs import sglang_inputs
-
-        sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=new_adapter_dir,
-                      record_dir=record_dir, log=log)
+    backend.python(recipe)  # a missing toolchain is refused while the old server still serves
+    if kt_weight_dir is not None:
+        # what the server is given (for sglang-kt: a model view, the AMXINT8 .kt layout) is made while the old
+        # server still serves
+        backend.prepare(recipe, model_dir=model_dir, adapter_dir=new_adapter_dir, kt_weight_dir=kt_weight_dir,
+                        record_dir=record_dir, log=log)
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)
@@ -486,3 +330,40 @@ def _last_good(current: Endpoint, record_dir: Path) -> tuple[AdapterRef, Adapter
                       "stop it and serve() again")
 
 
+@contextlib.contextmanager
+def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, api_key: str, record_dir: Path,
+                     what: str, log: Callable[[str], None] | None,
+                     kt_weight_dir: Path | None = None) -> Iterator[Endpoint]:
+    """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
+    same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
+    the block, even when we are killed), stopped on the way out. sglang: a second sglang-kt
+    process (its own copy of the CPU experts from ``kt_weight_dir``) beside production's."""
+    try:
+        port = free_port(recipe.serving.host)
+        if log:
+            log(f"starting a {what} server on port {port}")
+        yield serve(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=api_key,
+                    port=port, log=log, die_with_parent=True, kt_weight_dir=kt_weight_dir)
+    finally:
+        stop(record_dir)
+
+
+def dry_run(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
+            record_dir: Path, host: HostInfo | None = None) -> Launch:
+    """The :class:`Launch` :func:`serve` would start, made by the same backend call with nothing checked that
+    needs the files, nothing made, written or started (``ktflow serve --dry-run``).
+
+    ``host``: the serving host to render for; default this host as the recipe's server sees it: with the GPUs
+    and cores the recipe asks for where this host lacks them (the command is for the serving host, which
+    ``serve`` checks at launch).
+    """
+    if host is None:
+        here = hardware.probe_host(recipe.store.root)
+        host = here.model_copy(update={
+            "gpus": here.gpus or [GpuInfo(index=i, name="serving-host GPU", vram_bytes=0)
+                                  for i in range(recipe.serving.gpus)],
+            "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
+        })
+    return backend_for(recipe).launch(recipe, model_dir=Path(model_dir).absolute(), adapter_dir=adapter_dir,
+                                      kt_weight_dir=kt_weight_dir, record_dir=Path(record_dir).absolute(),
+                                      port=recipe.serving.port, host=host, log=None, dry_run=True)

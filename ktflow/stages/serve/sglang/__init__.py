@@ -1,0 +1,96 @@
+"""The GPU backend: sglang-kt (KT's SGLang fork) from the serving toolchain, with KT's CPU experts; one adapter,
+loaded at startup.
+
+- ``launch.py``: the ``sglang.launch_server`` command line and the checks it must pass before a server starts
+  (weights for ``--kt-method``, the host's cores and GPUs, the API key kept out of argv).
+- ``inputs.py``: what sglang-kt is given to load where the pipeline's outputs are not what it reads (a view of
+  the checkpoint, kt-kernel's ``.kt`` layout of AMXINT8 experts served with an expert LoRA).
+- ``adapters.py``: one client for SGLang's adapter API (plain SGLang's no-downtime swap, a candidate loaded
+  beside production).
+- here: the backend the lifecycle starts (:data:`BACKEND`): readiness on ``/health``, the key handed to the
+  server's parser in-process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ktflow.errors import InvalidInputError
+from ktflow.host.hardware import HostInfo
+from ktflow.recipe import Recipe
+from ktflow.stages.serve.backend import Launch, Log
+from ktflow.stages.serve.records import adapter_model_name, base_url
+from ktflow.stages.serve.sglang.inputs import model_view_plan, sglang_inputs
+from ktflow.stages.serve.sglang.launch import render_sglang_launch
+
+__all__ = ["BACKEND", "SglangBackend"]
+
+
+class SglangBackend:
+    """sglang-kt in the serving toolchain."""
+
+    name = "sglang"
+
+    def python(self, recipe: Recipe) -> Path:
+        return recipe.toolchains.serve.require("toolchains.serve.python", "sglang-kt and kt-kernel", "serve-env")
+
+    def check_adapter(self, adapter_dir: Path, *, model_dir: Path, validate: bool) -> Path:
+        # Converted for SGLang (its keys name the served model, which may be a view of model_dir): the launch
+        # checks that it is a converted adapter.
+        return Path(adapter_dir).absolute()
+
+    def prepare(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
+                record_dir: Path, log: Log) -> None:
+        sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=_weights(kt_weight_dir), adapter_dir=adapter_dir,
+                      record_dir=record_dir, log=log)
+
+    def launch(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
+               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False) -> Launch:
+        """The key reaches the server through its environment (the launcher hands it to the parser in-process);
+        readiness is ``/health``. The model and the experts are given as sglang-kt reads them
+        (:func:`~ktflow.stages.serve.sglang.inputs.sglang_inputs`), made here when first needed; a dry run only
+        names them, and says so in its notes. ``port`` may differ from ``serving.port``: a candidate's server
+        beside production."""
+        from ktflow.host import hardware
+
+        serving = recipe.serving
+        python = recipe.toolchains.serve.python.absolute() if dry_run else self.python(recipe)
+        weights = _weights(kt_weight_dir)
+        notes: list[str] = []
+        if dry_run and not (Path(model_dir) / "config.json").is_file():
+            model_dir = Path(model_dir).absolute()  # not there yet: the view, if any, is decided at start
+        else:
+            model_in = Path(model_dir).absolute()
+            model_dir, weights = sglang_inputs(recipe, model_dir=model_in, kt_weight_dir=weights,
+                                               adapter_dir=adapter_dir, record_dir=record_dir, create=not dry_run,
+                                               log=log)
+            if dry_run and model_dir != model_in:
+                notes.append(f"--model-path: a view of {model_in} the serve stage makes at start "
+                             f"({model_view_plan(model_in).reason})")  # type: ignore[union-attr]
+        if dry_run and serving.kt_method == "AMXINT8":
+            notes.append("--kt-weight-path: with an adapter that carries an expert LoRA (a KT SFT adapter), the "
+                         "serve stage serves kt-kernel's .kt layout of these INT8 weights, written once into the "
+                         "store at start")
+        rendered = render_sglang_launch(recipe, model_dir=model_dir, kt_weight_dir=weights, adapter_dir=adapter_dir,
+                                        serve_python=python, host=host or hardware.probe_host(record_dir), port=port,
+                                        check_files=not dry_run)
+        details: dict[str, object] = {}
+        if rendered.int8_threadpool_count is not None:
+            details["int8_threadpool_count"] = rendered.int8_threadpool_count
+        if notes:
+            details["notes"] = notes
+        return Launch(what="sglang-kt", python=python, argv=rendered.argv, env=rendered.env,
+                      key_env=rendered.api_key_env or serving.api_key_env,
+                      model_name=adapter_model_name(recipe) if adapter_dir is not None else serving.served_model_name,
+                      ready_url=f"{base_url(serving.host, port).removesuffix('/v1')}/health", expect_model=None,
+                      check_auth=False, details=details)
+
+
+def _weights(kt_weight_dir: Path | None) -> Path:
+    if kt_weight_dir is None:
+        raise InvalidInputError("kt_weight_dir", "the sglang backend needs the CPU expert weights",
+                                "pass the weights for serving.kt_method")
+    return Path(kt_weight_dir).absolute()
+
+
+BACKEND = SglangBackend()
