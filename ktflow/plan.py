@@ -37,7 +37,8 @@ from ktflow.host.hardware import HostInfo
 from ktflow.host.pools import WORK_POOLS, pool_for_stage
 from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_batches, tokens_basis, tokens_per_micro_batch
 from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate, serve_decode_estimate
-from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, kt_threads
+from ktflow.planning.host_probe import ProbeScale, probe_scale
+from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, host_records, kt_threads
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
@@ -58,6 +59,7 @@ class StageEstimate(BaseModel):
     seconds: float | None = None
     step_seconds: float | None = None  # sft: one optimizer step, predicted
     decode_tokens_per_s: float | None = None  # serve (sglang + KT): one sequence's decode, predicted
+    kt_probe: ProbeScale | None = None  # sft with KT on a host without KT runs: kt-kernel's kernels timed there
     time_basis: str = ""
     candidate: str = ""  # evaluate: how a retrained adapter is judged here, and why
     candidate_prices: list[str] = []  # evaluate: what each mode (beside, offline, swap) costs here, and if it fits
@@ -144,7 +146,8 @@ def size_from_facts(facts: ModelFacts, path: str) -> ModelSize:
 
 
 def plan_recipe(recipe: Recipe, host: HostInfo, *, size: ModelSize | None = None, model_source: str = "",
-                records: int | None = None, lengths: RecordLengths | None = None, costs: CostModel = COSTS) -> Plan:
+                records: int | None = None, lengths: RecordLengths | None = None, costs: CostModel = COSTS,
+                probe: bool = False) -> Plan:
     """Predict every stage of ``recipe`` on ``host``: disk, RAM, GPU memory, GPUs and time, and what does not fit.
 
     Args:
@@ -152,6 +155,9 @@ def plan_recipe(recipe: Recipe, host: HostInfo, *, size: ModelSize | None = None
         records: the training records (default: counted from the dataset files when they exist).
         lengths: the records' tokens (default: read from the dataset files when they exist, with the
             model's tokenizer when the checkpoint is here; else each record counts as ``cutoff_len``).
+        probe: ``host`` is this machine: where it has no KT runs and no probe kept for the recipe's KT
+            settings, time kt-kernel's SFT kernels here first (:mod:`ktflow.planning.host_probe`, at most
+            ~30 s). Without it a kept probe is still used.
     """
     if size is None:
         size, model_source = model_size_for(recipe)
@@ -169,7 +175,7 @@ def plan_recipe(recipe: Recipe, host: HostInfo, *, size: ModelSize | None = None
         if stage.needed:
             line.problems = check_requirement(requirements[stage.stage], host)
             if size is not None:
-                _predict(line, recipe, host, size, records, lengths, costs)
+                _predict(line, recipe, host, size, records, lengths, costs, probe)
             else:
                 line.time_basis = "model size unknown"
             line.fits = not line.problems
@@ -197,7 +203,7 @@ def _count_records(recipe: Recipe) -> int | None:
 
 
 def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
-             lengths: RecordLengths | None, costs: CostModel) -> None:
+             lengths: RecordLengths | None, costs: CostModel, probe: bool = False) -> None:
     bf16_bytes = 2 * size.parameters
     ram: RamNeed | None = None
     gpu: GpuNeed | None = None
@@ -211,7 +217,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         line.seconds = bf16_bytes / costs.dequantize_bytes_per_s
         line.time_basis = f"{costs.dequantize_bytes_per_s / GB:.1f} GB/s of BF16 written (fsync)"
     elif line.stage == "sft":
-        ram, gpu = _predict_sft(line, recipe, host, size, records, lengths, costs)
+        ram, gpu = _predict_sft(line, recipe, host, size, records, lengths, costs, probe)
     elif line.stage == "quantize-int8":
         expert_bf16 = 2 * size.expert_parameters
         line.disk_bytes = size.expert_parameters + size.expert_parameters // 16  # INT8 + scales
@@ -261,11 +267,13 @@ def _kt_bytes(recipe: Recipe, size: ModelSize) -> int:
 
 
 def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, records: int | None,
-                 lengths: RecordLengths | None, costs: CostModel) -> tuple[RamNeed | None, GpuNeed | None]:
+                 lengths: RecordLengths | None, costs: CostModel,
+                 probe: bool = False) -> tuple[RamNeed | None, GpuNeed | None]:
     """The SFT line's time, and its declared RAM and GPU needs (``sft_needs``, what its preflight checks).
 
     KT's micro-batch split is the one the SFT stage will train (``sft.kt_shape_batches``), and the line
-    names a faster one when the recipe pins its own."""
+    names a faster one when the recipe pins its own. A host without KT runs has KT's CPU passes scaled by
+    its probe (:func:`~ktflow.planning.host_probe.probe_scale`; ``probe``: run it here if none is kept)."""
     from ktflow.errors import HostRequirementError
     from ktflow.stages.sft import choose_sft_backend, sft_needs
     from ktflow.stages.weights import trains_on_source
@@ -281,7 +289,9 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
             line.problems.append(exc.reason)
             return None, None
         recipe, chosen, shaped = choice.recipe, f"auto -> {choice.reason}. ", choice.batch_shape or ""
+        costs = _probe_kt(line, recipe, size, host, probe, costs)  # the choice itself is made as fitted
     elif recipe.sft.backend == "kt":
+        costs = _probe_kt(line, recipe, size, host, probe, costs)
         shape = shape_kt_batches(recipe, size, host, lengths, costs)
         recipe, shaped = shape.recipe, shape.reason
     sft = recipe.sft
@@ -298,6 +308,8 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
         step = estimate.step_s
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
         calibration = speed.basis if speed is not None else UNCALIBRATED
+        if speed is None and line.kt_probe is not None:
+            calibration += f"; {line.kt_probe.basis}"
         basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
                  f"{sft.gpu_split().describe()}, "
                  f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
@@ -326,6 +338,19 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
     line.seconds = costs.prelaunch_s + load + steps * step + costs.publish_s
     line.time_basis = f"{chosen}{basis}; {steps} steps"
     return needs.ram, needs.gpu
+
+
+def _probe_kt(line: StageEstimate, recipe: Recipe, size: ModelSize, host: HostInfo, run: bool,
+              costs: CostModel) -> CostModel:
+    """``costs`` with KT's CPU passes scaled by ``host``'s probe, and the probe on ``line``; ``costs`` as given
+    where ``recipe`` trains without KT or the host has KT runs (they calibrate it instead)."""
+    if recipe.sft.backend != "kt":
+        return costs
+    threads = kt_threads(recipe.sft, host.physical_cores)
+    if host_records(recipe, host.hostname, threads, host.machine):
+        return costs
+    line.kt_probe = probe_scale(recipe, size, host, threads, costs, run=run)
+    return costs.model_copy(update={"kt_cpu_factor": line.kt_probe.factor})
 
 
 def _check_fit(line: StageEstimate, host: HostInfo, ram: RamNeed | None, gpu: GpuNeed | None) -> None:

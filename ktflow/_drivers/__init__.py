@@ -11,6 +11,8 @@ parses while it streams the tool's output to the stage log.
 
 - ``kt_int8.py``: kt-kernel's own AMXINT8 quantizer driven per layer, in the serving toolchain
   (``ktflow.stages.quantize_int8``).
+- ``kt_probe.py``: kt-kernel's own SFT expert kernels (forward and backward) timed on synthetic weights, in
+  the KT toolchain: the host probe (``ktflow.planning.host_probe``).
 - ``offline_chat.py``: LlamaFactory's chat engine answering OpenAI-style requests, in the training
   toolchain (``ktflow.stages.offline_generation``).
 """

@@ -31,15 +31,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     recipe = _load(args) if args.recipe else None
     host = probe_host(recipe.store.root if recipe else None)
     checks = []
+    probe = None  # kt-kernel's SFT kernels timed here for the recipe (ktflow.planning.host_probe)
     if recipe is not None:
         from ktflow.plan import check_recipe_on_host
 
-        checks = _with_plan_problems(check_recipe_on_host(recipe, host), recipe, host)
+        # the probe the store keeps for this machine; `ktflow plan` runs it where none is kept
+        checks, probe = _with_plan_problems(check_recipe_on_host(recipe, host), recipe, host)
     if args.json:
         document = host.model_dump(mode="json")
         if recipe is not None:
             document["recipe"] = recipe.name
             document["stages"] = [c.model_dump(mode="json") for c in checks]
+            document["kt_probe"] = probe.model_dump(mode="json") if probe is not None else None
         _print_json(document)
     else:
         table = Table(title=f"host {host.hostname}", show_header=False)
@@ -54,6 +57,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         table.add_row("GPUs", gpus)
         table.add_row("disk free", f"{human_bytes(host.disk_free_bytes)} at {host.disk_path}")
         table.add_row("/dev/shm", f"{human_bytes(host.shm_free_bytes)} free of {human_bytes(host.shm_bytes)}")
+        if probe is not None:
+            table.add_row("KT probe", probe.basis.removeprefix("KT probe: "))
         out.print(table)
         if recipe is not None:
             stages = Table(title=f"recipe {recipe.name} on this host")
@@ -69,18 +74,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_plan_problems(checks: list, recipe, host) -> list:
-    """The doctor's stage checks, with what the plan predicts will not fit (disk, RAM, GPU memory)."""
+def _with_plan_problems(checks: list, recipe, host, probe: bool = False) -> tuple[list, Any]:
+    """The doctor's stage checks, with what the plan predicts will not fit (disk, RAM, GPU memory), and the SFT
+    line's KT probe (None: the recipe trains without KT, or the host has KT runs); ``probe``: run it if none is kept."""
     from ktflow.plan import plan_recipe
 
-    plan = {s.stage: s for s in plan_recipe(recipe, host).stages}
+    plan = {s.stage: s for s in plan_recipe(recipe, host, probe=probe).stages}
     merged = []
     for check in checks:
         extra = [p if p.startswith(check.stage) else f"{check.stage} {p}" for p in plan[check.stage].problems
                  if check.needed and not any(p in m for m in check.missing)]
         merged.append(check.model_copy(update={"missing": check.missing + extra,
                                                "runnable": check.runnable and not extra}))
-    return merged
+    return merged, plan["sft"].kt_probe if "sft" in plan else None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -89,7 +95,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     recipe = _load(args)
     host = load_host(Path(args.host)) if args.host else probe_host(recipe.store.root)
-    plan = plan_recipe(recipe, host)
+    # another host's plan uses its probe if the store keeps one; only this machine's can be run here
+    plan = plan_recipe(recipe, host, probe=not args.host and not args.no_probe)
     if args.json:
         _print_json({**plan.model_dump(mode="json", exclude={"model": {"linear_shapes"}}), "fits": plan.fits,
                      "seconds": plan.seconds})
@@ -283,6 +290,9 @@ def add_planning_commands(add: _Add) -> None:
     _add_set(p)
     p.add_argument("--host", metavar="FILE", help="plan for the host `ktflow doctor --json` described in FILE")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not time kt-kernel's SFT kernels on this host before predicting KT (up to ~30 s, "
+                        "kept per machine in the store)")
 
 
 def add_run_commands(add: _Add) -> None:

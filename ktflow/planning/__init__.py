@@ -10,6 +10,10 @@
 - ``host_speed.py``: a host's own KT speed: the steady step each KT SFT run records against the time
   model's prediction (``KtStepRecord``), and the factor later plans on that host are scaled by
   (``calibrated_costs``). Imports: costs, sizing, recipe, store.
+- ``host_probe.py``: a host probe that measures what KT does: kt-kernel's own SFT expert kernels timed on
+  synthetic weights in the recipe's method and expert shape (the driver ``ktflow._drivers.kt_probe``, in the
+  KT toolchain), kept per machine in the store, and the factor on KT's CPU passes it gives a host without KT
+  runs (``probe_scale``). Imports: costs, sizing, recipe, host, errors, units.
 - ``batch_shape.py``: tokens per record from the dataset, tokens per micro-batch, and the micro-batch
   split KT trains fastest that fits (``shape_kt_batches``), each at this host's own speed.
   Imports: costs, host_speed, sizing, recipe, resources, formats.

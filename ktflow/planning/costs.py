@@ -106,6 +106,15 @@ class CostModel(BaseModel):
     # KT's whole step on the host planned for, relative to the machine of the fit: 1 as shipped;
     # what the host's own runs measured where it has some (ktflow.planning.host_speed).
     kt_host_factor: float = 1.0
+    # KT's CPU expert passes (forward and backward) on the host planned for, relative to the machine of the fit,
+    # from kt-kernel's own SFT kernels timed there (ktflow.planning.host_probe): 1 as shipped, and where the host
+    # has KT runs (their factor above covers the whole step).
+    kt_cpu_factor: float = 1.0
+    # What that probe measures on the machine of the fit, as its measured / predicted seconds, by kt-kernel SFT
+    # method: the probe's ratio on a host divided by this is the host's kt_cpu_factor. Empty: the machine of the
+    # fit was never probed, so no host is scaled by its probe (the plan says so). A host that has both a probe
+    # and KT runs fills it in: its probe ratio / its runs' measured-to-predicted step (gpu_host/run.sh probe).
+    kt_probe_reference: dict[str, float] = {}
 
 
 COSTS = CostModel()
@@ -238,8 +247,9 @@ def kt_step_estimate(size: ModelSize, sft: SftConfig, threads: int, costs: CostM
         non_expert_matmul = size.non_expert_parameters - size.vocab_size * size.hidden_size
         gpu = costs.kt_gpu_base_s + passes * non_expert_matmul * tokens / costs.kt_matmul_flops_per_s
     scale = costs.kt_host_factor
-    kt_forward = scale * micro_batches * layers * forward
-    kt_backward = scale * micro_batches * layers * backward
+    cpu = scale * costs.kt_cpu_factor  # the probe times KT's CPU passes only: the GPU's part is not scaled by it
+    kt_forward = cpu * micro_batches * layers * forward
+    kt_backward = cpu * micro_batches * layers * backward
     gpu_s = scale * (micro_batches * gpu + costs.kt_optimizer_step_s)
     return KtStepEstimate(
         step_s=kt_forward + kt_backward + gpu_s, kt_forward_s=kt_forward, kt_backward_s=kt_backward, gpu_s=gpu_s,

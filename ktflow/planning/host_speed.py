@@ -13,7 +13,9 @@ runs in the store on the same host with the same expert format, KT threads, NUMA
 constants, nearest in tokens a micro-batch and expert bytes. The plan, ``sft.backend: auto`` and
 micro-batch shaping (each split at its own tokens) then scale KT's step by the median of their
 measured-to-predicted ratios (:func:`calibrated_costs`). A host with no such run is planned with the
-model as fitted, and the plan says so.
+model as fitted, its CPU expert passes scaled by what kt-kernel's own SFT kernels measured there
+against the machine of the fit (:mod:`ktflow.planning.host_probe`, where that machine's figure is
+known), and the plan says so.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def model_digest(costs: CostModel = COSTS) -> str:
     about these."""
     # the serving constants (serve_*) predict no SFT step: a change there keeps the hosts' SFT calibrations
     serving = {name for name in CostModel.model_fields if name.startswith("serve_")}
-    fitted = costs.model_dump_json(exclude={"kt_host_factor", *serving})
+    # nor do a host's factors and the probe's reference: they scale a prediction, the records hold it unscaled
+    fitted = costs.model_dump_json(exclude={"kt_host_factor", "kt_cpu_factor", "kt_probe_reference", *serving})
     return hashlib.sha256(fitted.encode()).hexdigest()[:16]
 
 
@@ -199,7 +202,11 @@ def calibrated_costs(recipe: Recipe, host: str, threads: int, tokens: float, exp
                      machine: str = "") -> tuple[CostModel, HostSpeed | None]:
     """``costs`` with KT's step scaled to what this host measured for ``recipe``'s KT settings near
     ``tokens`` a micro-batch and ``expert_bytes``, and the evidence; ``costs`` with no host factor without
-    any. ``records``: :func:`host_records` already read (one read for many predictions of one recipe)."""
+    any. ``records``: :func:`host_records` already read (one read for many predictions of one recipe).
+    Where the host has runs, they replace a probe's ``kt_cpu_factor`` in ``costs``: their ratios are of the
+    whole step, against the model as fitted."""
     speed = pick_calibration(host_records(recipe, host, threads, machine) if records is None else records, tokens,
                              expert_bytes)
-    return costs.model_copy(update={"kt_host_factor": speed.factor if speed else 1.0}), speed
+    if speed is None:
+        return costs.model_copy(update={"kt_host_factor": 1.0}), None
+    return costs.model_copy(update={"kt_host_factor": speed.factor, "kt_cpu_factor": 1.0}), speed
