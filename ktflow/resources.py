@@ -34,6 +34,7 @@ DOWNLOAD_STAGE: StageName = "download"
 DEQUANTIZE_STAGE: StageName = "dequantize"
 CONVERT_LORA_STAGE: StageName = "convert-lora"
 QUANTIZE_INT8_STAGE: StageName = "quantize-int8"
+MERGE_STAGE: StageName = "merge"
 
 """``progress(done, total)`` in the stage's own unit (bytes, layers, steps)."""
 

@@ -19,7 +19,7 @@ from ktflow.host.process import ThrottledLines
 from ktflow.recipe import Recipe
 from ktflow.stages.promotion import Judgement, evaluation_digest, judge_candidate, promote_version, registry_of
 from ktflow.stages.promotion import serving_dir as serving_dir  # re-exported: where the endpoint is recorded
-from ktflow.stages.serve import Endpoint, adapter_model_name, is_alive, read_endpoint, serve, stop
+from ktflow.stages.serve import Endpoint, is_alive, read_endpoint, serve, stop
 from tasks._common import StageCachePolicy, retry_unless_invalid_input
 from tasks.promote import emit_moved
 
@@ -40,7 +40,7 @@ def serve_task(recipe: Recipe, model_dir: str, adapter_dir: str, kt_weight_dir: 
         endpoint = moved.endpoint
         logger.info("%s: %s", recipe.name, moved.summary())
         emit_moved(recipe, moved, why)
-    create_link_artifact(key="endpoint", link=endpoint.url, link_text=f"{recipe.name} ({adapter_model_name(recipe)})",
+    create_link_artifact(key="endpoint", link=endpoint.url, link_text=f"{recipe.name} ({endpoint.model})",
                          description=f"pid {endpoint.pid}, log {endpoint.log_path}, adapter {endpoint.adapter_dir}"
                          + (f" (v{endpoint.adapter_version})" if endpoint.adapter_version else ""))
     return endpoint

@@ -119,3 +119,60 @@ def test_a_candidate_is_judged_beside_an_sglang_kt_production_in_servers_of_its_
         assert argv[argv.index("--kt-weight-path") + 1] == str(model)
     for d in (out / "candidate-endpoint", out / "base-endpoint"):
         assert not (d / "endpoint.json").exists()  # stopped on the way out
+
+
+def test_merged_mode_serves_the_merge_with_no_lora_flags_and_the_engines_levers(
+        fixture_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serving.mode: merged``: the serve stage merges the converted adapter into the weights first (the merge
+    stage, cached in the store), starts the server on them with no LoRA flags and with the levers KT's LoRA path
+    refuses (GPU experts, deferral), records the merge, and a swap merges the next adapter before the old server
+    stops; a candidate's temporary server still takes KT's LoRA path."""
+    from test_merge import make_converted_adapter
+
+    import ktflow.resources
+    from ktflow.stages.serve import read_endpoint, swap_adapter, temporary_server
+    from ktflow.store import read_manifest
+
+    key = "sglang-test-key-" + "x" * 16
+    monkeypatch.setenv("KTFLOW_API_KEY", key)
+    host = probe_host().model_copy(update={"gpus": [GpuInfo(index=0, name="test", vram_bytes=1 << 37)]})
+    monkeypatch.setattr(ktflow.resources.hardware, "probe_host", lambda *a, **k: host)  # swap's and the candidate's
+    recipe = load_recipe(REPO / "recipes" / "qwen3-30b-a3b-bf16.yaml", [
+        f"serving.port={free_port()}", f"store.root={tmp_path / 'store'}", f"toolchains.serve.python={sys.executable}",
+        f"toolchains.serve.env.PYTHONPATH={FAKE}", "serving.ready_timeout_s=60", "serving.mode=merged",
+        "serving.kt_num_gpu_experts=2", "serving.kt_max_deferred_experts_per_token=1",
+        "serving.disable_cuda_graph=false"])
+    model = fixture_dir("bf16")
+    first = make_converted_adapter(model, tmp_path / "v1", seed=1)
+    second = make_converted_adapter(model, tmp_path / "v2", seed=2)
+    record = tmp_path / "serving"
+    endpoint = serve(recipe, model_dir=model, adapter_dir=first, record_dir=record, kt_weight_dir=model, host=host)
+    try:
+        argv = _server_argv(record / "server.log")
+        merged = endpoint.merged_dir
+        assert merged is not None and merged.parent == (tmp_path / "store" / "merged").absolute()
+        assert read_manifest(merged).stage == "merge" and read_manifest(merged).settings["method"] == "BF16"
+        assert argv[argv.index("--kt-weight-path") + 1] == str(merged)
+        view = Path(argv[argv.index("--model-path") + 1])  # the fixture's transformers-saved config needs a view
+        assert json.loads((view / "ktflow-model-view.json").read_text())["source"] == str(merged)
+        assert "--enable-lora" not in argv and "--lora-paths" not in argv and "--disable-cuda-graph" not in argv
+        assert argv[argv.index("--kt-num-gpu-experts") + 1] == "2"
+        assert argv[argv.index("--kt-max-deferred-experts-per-token") + 1] == "1"
+        # the merged model is the tuned one: clients ask for the served name, and the record names the adapter
+        assert endpoint.model == "qwen3-30b-a3b" and endpoint.adapter_dir == first.absolute()
+        assert smoke_test(endpoint.url, key, endpoint.model)["content"] == "hello"
+
+        swapped = swap_adapter(recipe, model_dir=model, new_adapter_dir=second, record_dir=record, kt_weight_dir=model)
+        assert swapped.merged_dir is not None and swapped.merged_dir != merged and merged.is_dir()
+        assert swapped.previous is not None and swapped.previous.adapter_dir == first.absolute()
+        assert read_endpoint(record) == swapped
+
+        with temporary_server(recipe, model_dir=model, adapter_dir=second, api_key=key, record_dir=tmp_path / "cand",
+                              what="candidate", log=None, kt_weight_dir=model) as candidate:
+            cand_argv = _server_argv(tmp_path / "cand" / "server.log")
+            assert candidate.merged_dir is None and candidate.model == "qwen3-30b-a3b:tuned"
+            assert cand_argv[cand_argv.index("--lora-paths") + 1] == f"tuned={second.absolute()}"
+            assert cand_argv[cand_argv.index("--kt-num-gpu-experts") + 1] == "0"
+            assert "--kt-max-deferred-experts-per-token" not in cand_argv
+    finally:
+        stop(record)

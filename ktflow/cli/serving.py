@@ -94,12 +94,13 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ktflow.stages.evaluate import evaluate_base_vs_tuned
-    from ktflow.stages.serve import adapter_model_name, api_key_for, read_endpoint
+    from ktflow.stages.serve import api_key_for, read_endpoint, tuned_model_name
     from ktflow.stages.weights import ensure_training_weights
 
     recipe = _load(args)
     endpoint = read_endpoint(_serving_dir(recipe))
-    key = api_key_for(endpoint) if endpoint is not None and endpoint.url.rstrip("/") == args.endpoint.rstrip("/") else None
+    ours = endpoint is not None and endpoint.url.rstrip("/") == args.endpoint.rstrip("/")
+    key = api_key_for(endpoint) if ours else None
     key = key or os.environ.get(recipe.serving.api_key_env)
     if not key:
         from ktflow.errors import InvalidInputError
@@ -108,8 +109,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                 f"export {recipe.serving.api_key_env}=<the server's key>")
     # sglang: the base model is a server of its own (sglang-kt without an adapter), its experts the serving ones
     weights = _production_weights(recipe) if recipe.serving.backend == "sglang" else None
+    tuned = endpoint.model if ours and endpoint is not None else tuned_model_name(recipe)
     result = evaluate_base_vs_tuned(recipe, model_dir=weights["base_dir"] if weights else ensure_training_weights(recipe),
-                                    tuned_url=args.endpoint, tuned_model=adapter_model_name(recipe), api_key=key,
+                                    tuned_url=args.endpoint, tuned_model=tuned, api_key=key,
                                     out_dir=recipe.store.layout.evaluation(recipe.name).absolute(),
                                     log=lambda line: err.print(line, markup=False, highlight=False),
                                     kt_weight_dir=weights["kt_weight_dir"] if weights else None)

@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 
 PROJS = ("gate", "up", "down")
+MERGED_KT_DIR = "kt"
+"""Where a merge to a kt-kernel format keeps its experts (the shard layout), beside its non-expert checkpoint."""
 KT_FILE_TAG = "INT8"  # the method tag in kt-kernel's .kt file names
 _SHARD_PROJ = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 SHARD_KEY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")

@@ -90,6 +90,12 @@ class Recipe(_Strict):
                 f"@serving.kt_method: RAWINT4 serves {_SERVING_WEIGHTS['RAWINT4']}, but source.format "
                 f"is '{fmt}'; use AMXINT8 or BF16"
             )
+        if method == "AMXINT4" and self.evaluation.enabled and self.evaluation.candidate != "offline":
+            raise ValueError(
+                "@serving.kt_method: AMXINT4 experts exist only as the merge of a tuned adapter, so no server of the "
+                "base model or of a candidate (KT's LoRA path) can read them; set evaluation.candidate: offline, "
+                "or evaluation.enabled: false, or kt_method AMXINT8"
+            )
         if method == "FP8" and fmt != "deepseek-v3-fp8":
             raise ValueError(
                 f"@serving.kt_method: FP8 serves {_SERVING_WEIGHTS['FP8']}, but source.format is "
@@ -149,6 +155,8 @@ def needs_bf16_weights(recipe: Recipe) -> bool:
     )
     serving = recipe.serving
     serve_bf16 = serving.backend == "llamafactory" or serving.kt_method in ("BF16", "AMXBF16")
+    # the merge stage reads BF16 or Kimi INT4 bases: any other source is merged from its BF16 copy
+    merge_bf16 = serving.resolved_mode == "merged" and recipe.source.format not in INT4_FORMATS
     # quantize-int8 decodes Kimi INT4 experts itself (no BF16 copy); other quantized sources go through BF16
     int8_from_bf16 = needs_int8_weights(recipe) and recipe.source.format not in INT4_FORMATS
-    return sft_bf16 or serve_bf16 or int8_from_bf16
+    return sft_bf16 or serve_bf16 or int8_from_bf16 or merge_bf16

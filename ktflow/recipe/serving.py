@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ktflow.recipe._base import _Strict
 
-ServingMethod = Literal["RAWINT4", "FP8", "BF16", "AMXBF16", "AMXINT8"]
+ServingMethod = Literal["RAWINT4", "FP8", "BF16", "AMXBF16", "AMXINT8", "AMXINT4"]
 # kt_method -> what --kt-weight-path must hold.
 _SERVING_WEIGHTS: dict[str, str] = {
     "RAWINT4": "the original Kimi INT4 checkpoint",
@@ -16,7 +16,13 @@ _SERVING_WEIGHTS: dict[str, str] = {
     "BF16": "a BF16 checkpoint",
     "AMXBF16": "a BF16 checkpoint",
     "AMXINT8": "ktflow's quantize-int8 output",
+    "AMXINT4": "the merge stage's kt-kernel INT4 experts",
 }
+ServingMode = Literal["auto", "merged", "lora"]
+# The expert formats the merge stage writes (ktflow.stages.merge): a merged model is served in one of these.
+MERGED_METHODS = ("BF16", "RAWINT4", "AMXINT8", "AMXINT4")
+# ... and those kt-kernel quantizes (the non-expert weights go to --model-path without the routed experts).
+_KT_QUANTIZED = ("AMXINT8", "AMXINT4")
 
 
 # Flags ktflow sets for sglang (or that must not be set with a KT LoRA adapter), aliases included, with the recipe
@@ -29,10 +35,12 @@ OWNED_FLAGS: dict[str, str] = {
     "--kt-method": "set serving.kt_method",
     "--kt-cpuinfer": "set serving.kt_cpuinfer",
     "--kt-threadpool-count": "set serving.kt_threadpool_count",
-    "--kt-num-gpu-experts": "set serving.kt_num_gpu_experts (must be 0 with a KT LoRA adapter)",
-    "--kt-gpu-experts-ratio": "it overrides --kt-num-gpu-experts, which must be 0 with a KT LoRA adapter",
-    "--kt-gpu-prefill-token-threshold": "it cannot be used with a KT LoRA adapter",
-    "--kt-enable-dynamic-expert-update": "it cannot be used with a KT LoRA adapter",
+    "--kt-num-gpu-experts": "set serving.kt_num_gpu_experts (0 with a KT LoRA adapter)",
+    "--kt-gpu-experts-ratio": "set serving.kt_num_gpu_experts instead (it overrides that count)",
+    "--kt-gpu-prefill-token-threshold": "set serving.kt_gpu_prefill_token_threshold (merged serving only)",
+    "--kt-enable-dynamic-expert-update": "set serving.kt_enable_dynamic_expert_update (merged serving only)",
+    "--kt-max-deferred-experts-per-token": "set serving.kt_max_deferred_experts_per_token (merged serving only)",
+    "--kt-expert-placement-strategy": "set serving.kt_expert_placement_strategy",
     "--kt-lora-path": "ktflow serves the converted adapter through --lora-paths",
     "--kt-expert-lora-path": "ktflow serves the converted adapter through --lora-paths",
     "--tensor-parallel-size": "set serving.gpus",
@@ -44,7 +52,8 @@ OWNED_FLAGS: dict[str, str] = {
     "--served-model-name": "set serving.served_model_name",
     "--api-key": "export the key in the variable serving.api_key_env names; a key in argv is visible in ps",
     "--admin-api-key": "a key in argv is visible to every local user in ps",
-    "--enable-lora": "ktflow always serves the tuned adapter",
+    "--enable-lora": "ktflow serves the tuned adapter merged (serving.mode: merged) or through KT's LoRA path "
+                     "(serving.mode: lora)",
     "--lora-backend": "set serving.lora_backend",
     "--lora-paths": "sglang-kt serves exactly one KT adapter; set serving.adapter_name",
     "--max-running-requests": "set serving.max_running_requests",
@@ -102,9 +111,27 @@ class ServingConfig(_Strict):
     kt_threadpool_count: int = Field(
         1, ge=1, description="NUMA thread pools; also the T the INT8 weights are quantized with"
     )
-    kt_num_gpu_experts: int = Field(0, ge=0)
-    kt_gpu_prefill_token_threshold: int | None = None
-    kt_enable_dynamic_expert_update: bool = False
+    mode: ServingMode = Field(
+        "auto", description="How the tuned model is served (sglang). merged: the adapter folded into the weights by "
+        "the merge stage and served with no LoRA flags, so CUDA graphs, GPU experts, expert deferral and dynamic "
+        "expert placement are all available; lora: the base weights with KT's LoRA path (CUDA graphs forced off, "
+        "no GPU experts); auto: merged where the merge stage can write serving.kt_method for this source (not "
+        "FP8, AMXBF16), else lora. Candidates are judged through the LoRA path either way",
+    )
+    kt_num_gpu_experts: int = Field(
+        0, ge=0, description="Routed experts of each MoE layer held on the GPUs (sglang-kt --kt-num-gpu-experts); "
+        "0 with the LoRA path",
+    )
+    kt_gpu_prefill_token_threshold: int | None = Field(
+        None, gt=0, description="Prefills of more tokens run the whole layer on the GPU (merged serving only)")
+    kt_enable_dynamic_expert_update: bool = Field(
+        False, description="Move the most used experts to the GPU as the server runs (merged serving only)")
+    kt_max_deferred_experts_per_token: int | None = Field(
+        None, ge=0, description="Experts a token may leave to the CPU to finish while the next layer runs "
+        "(sglang-kt --kt-max-deferred-experts-per-token; merged serving only)",
+    )
+    kt_expert_placement_strategy: Literal["frequency", "front-loading", "uniform", "random"] | None = Field(
+        None, description="Which experts go to the GPUs (sglang-kt --kt-expert-placement-strategy)")
     lora_backend: Literal["triton", "csgmv", "torch_native"] = "triton"
     dynamic_lora: bool = Field(
         False, description="The server loads adapters at run time (plain SGLang's /load_lora_adapter): a candidate "
@@ -158,31 +185,21 @@ class ServingConfig(_Strict):
                     f"backend 'llamafactory' does not take {', '.join(kt_fields)}; remove them "
                     "or set backend: sglang"
                 )
+            if self.mode != "auto":
+                raise ValueError("@mode: backend 'llamafactory' merges the adapter at load itself; remove serving.mode")
             return self
         if self.port == "auto":
             raise ValueError("@port: 'auto' is for the llamafactory backend; sglang-kt serves on a fixed port: set one")
         if self.kt_method is None:
-            raise ValueError("@kt_method: backend 'sglang' needs one of RAWINT4, FP8, BF16, AMXBF16, AMXINT8")
+            raise ValueError("@kt_method: backend 'sglang' needs one of RAWINT4, FP8, BF16, AMXBF16, AMXINT8, AMXINT4")
         if self.gpus < 1:
             raise ValueError("@gpus: backend 'sglang' needs at least one GPU (gpus >= 1)")
-        # The KT fork's LoRA rules: ktflow always serves the tuned adapter.
-        if self.kt_num_gpu_experts != 0:
-            raise ValueError(
-                f"@kt_num_gpu_experts: must be 0 when serving a LoRA adapter with KT (got "
-                f"{self.kt_num_gpu_experts})"
-            )
-        if self.kt_gpu_prefill_token_threshold is not None:
-            raise ValueError(
-                "@kt_gpu_prefill_token_threshold: cannot be used with a KT LoRA adapter; remove it"
-            )
-        if self.kt_enable_dynamic_expert_update:
-            raise ValueError(
-                "@kt_enable_dynamic_expert_update: cannot be used with a KT LoRA adapter; set it false"
-            )
-        if self.max_running_requests < 2:
-            raise ValueError(
-                f"@max_running_requests: must be >= 2 for KT LoRA serving (got {self.max_running_requests})"
-            )
+        if self.mode == "merged":
+            self._merged_rules()
+        elif self.mode == "lora":
+            self._lora_rules()
+        else:
+            self._auto_rules()
         if self.max_total_tokens is not None and self.context_length is not None \
                 and self.max_total_tokens < self.context_length:
             raise ValueError(
@@ -198,3 +215,65 @@ class ServingConfig(_Strict):
             raise ValueError(f"@extra_args: {token} {how} a flag ktflow sets or refuses (the last occurrence would "
                              f"win): {OWNED_FLAGS[flag]}")
         return self
+
+    def _lora_rules(self) -> None:
+        """The KT fork's LoRA serving rules (sglang-kt 0.7.2's kt_ep_wrapper and server_args)."""
+        if self.kt_num_gpu_experts != 0:
+            raise ValueError(
+                f"@kt_num_gpu_experts: must be 0 when serving a LoRA adapter with KT (got "
+                f"{self.kt_num_gpu_experts}); set serving.mode: merged to hold experts on the GPU"
+            )
+        if self.kt_gpu_prefill_token_threshold is not None:
+            raise ValueError(
+                "@kt_gpu_prefill_token_threshold: cannot be used with a KT LoRA adapter; remove it or set "
+                "serving.mode: merged"
+            )
+        if self.kt_enable_dynamic_expert_update:
+            raise ValueError(
+                "@kt_enable_dynamic_expert_update: cannot be used with a KT LoRA adapter; set it false or set "
+                "serving.mode: merged"
+            )
+        if self.kt_max_deferred_experts_per_token:
+            raise ValueError(
+                "@kt_max_deferred_experts_per_token: sglang-kt builds its LoRA expert wrapper without deferral; "
+                "remove it or set serving.mode: merged"
+            )
+        if self.max_running_requests < 2:
+            raise ValueError(
+                f"@max_running_requests: must be >= 2 for KT LoRA serving (got {self.max_running_requests})"
+            )
+        if self.kt_method == "AMXINT4":
+            raise ValueError(
+                "@kt_method: AMXINT4 experts are written by the merge stage only (KT's LoRA path has no INT4 "
+                "experts to read); set serving.mode: merged, or kt_method AMXINT8"
+            )
+
+    def _merged_rules(self) -> None:
+        if self.kt_method not in MERGED_METHODS:
+            raise ValueError(
+                f"@mode: merged writes the experts as {', '.join(MERGED_METHODS)}, not {self.kt_method} (an FP8 "
+                "source is merged after dequantize, as BF16 or AMXINT8/AMXINT4); set serving.kt_method, or "
+                "serving.mode: lora"
+            )
+        if self.kt_method in _KT_QUANTIZED and self.kt_num_gpu_experts:
+            raise ValueError(
+                f"@kt_num_gpu_experts: {self.kt_num_gpu_experts} GPU experts are loaded from --model-path, but a "
+                f"merge to {self.kt_method} keeps the routed experts in kt-kernel's CPU layout only; set "
+                "kt_num_gpu_experts: 0, or kt_method RAWINT4 (Kimi INT4) or BF16, whose merged checkpoint holds them"
+            )
+
+    def _auto_rules(self) -> None:
+        if self.kt_method in MERGED_METHODS:
+            self._merged_rules()
+        else:
+            self._lora_rules()
+
+    @property
+    def resolved_mode(self) -> Literal["merged", "lora"]:
+        """``mode`` with auto decided: merged where the merge stage writes ``kt_method``, else lora (llamafactory,
+        which merges at load itself, is given the adapter: "lora")."""
+        if self.backend != "sglang":
+            return "lora"
+        if self.mode != "auto":
+            return self.mode
+        return "merged" if self.kt_method in MERGED_METHODS else "lora"

@@ -58,6 +58,7 @@ from ktflow.formats.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
+from ktflow.formats.kt_layout import MERGED_KT_DIR
 from ktflow.formats.lora_merge import merge_lora_
 from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quantized
 from ktflow.formats.quant_encode import encode_int4_pack_quantized
@@ -70,7 +71,7 @@ from ktflow.formats.safetensors_io import (
 )
 from ktflow.host.process import single_thread_torch
 from ktflow.recipe.model import INT4_FORMATS
-from ktflow.resources import DiskNeed, HostRequirement, RamNeed, Resources
+from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
 from ktflow.stages.quantize_int8 import (
     COPIED_FILES,
@@ -84,14 +85,14 @@ from ktflow.stages.quantize_int8 import (
     _serving_toolchain,
     check_int8_alignment,
 )
-from ktflow.store import StageManifest, atomic_write_bytes, atomic_write_json
+from ktflow.store import StageManifest, StoreLayout, atomic_write_bytes, atomic_write_json
 from ktflow.units import GiB
 
-STAGE = "merge"
+STAGE = MERGE_STAGE
 MergeMethod = Literal["BF16", "RAWINT4", "AMXINT8", "AMXINT4"]
 MERGE_METHODS: tuple[str, ...] = get_args(MergeMethod)
 KT_METHODS = ("AMXINT8", "AMXINT4")  # made by kt-kernel's quantizer, in the serving toolchain
-KT_DIR = "kt"  # the kt-kernel formats' expert weights (--kt-weight-path), beside the non-expert checkpoint
+KT_DIR = MERGED_KT_DIR  # the kt-kernel formats' expert weights (--kt-weight-path), beside the non-expert checkpoint
 INT4_ALIGN = 128  # kt-kernel AMXINT4: k % 128 (hidden, and each NUMA slice of the intermediate dim)
 # kt-kernel's own MoE test accepts < 0.05 for INT8; AMXINT4 keeps one scale per output row (no groups), which
 # kt-kernel's README warns costs accuracy: its bound is wider (per-row INT4 of Gaussian weights: ~0.1-0.15).
@@ -750,6 +751,20 @@ MERGE: StageSpec[MergeRequest, _Job, MergeSizes, MergeResult] = StageSpec(
              "`ktflow doctor` says what this host can run",
 )
 """The merge stage, declared for :func:`~ktflow.runner.run_stage` (and a planner)."""
+
+
+def merge_target(layout: StoreLayout, base_dir: Path, adapter_dir: Path, method: str, threadpool_count: int = 1) -> Path:
+    """Where the merge of ``adapter_dir`` into ``base_dir`` as ``method`` is published in a store (its cache key, from
+    the same identities the stage checks: the base's and the adapter's; headers and manifests only)."""
+    base = identity_digest(checkpoint_identity(Path(base_dir).absolute()))
+    adapter = identity_digest(_adapter_identity(Path(adapter_dir).absolute()))
+    return layout.merged(merged_dir_name(base, adapter, method, threadpool_count))
+
+
+def served_paths(merged_dir: Path, method: str) -> tuple[Path, Path]:
+    """``(--model-path, --kt-weight-path)`` of a merge published in ``merged_dir`` as ``method``."""
+    merged_dir = Path(merged_dir)
+    return merged_dir, merged_dir / KT_DIR if method in KT_METHODS else merged_dir
 
 
 def merged_dir_name(base_digest: str, adapter_digest: str, method: str, threadpool_count: int | None = None) -> str:

@@ -47,7 +47,6 @@ from ktflow.stages.evaluate import Candidate, EvaluationResult, evaluate_base_vs
 from ktflow.stages.serve import (
     CandidateChoice,
     Endpoint,
-    adapter_model_name,
     choose_candidate_mode,
     is_alive,
     label_endpoint_version,
@@ -310,7 +309,7 @@ def judge_by_swap(recipe: Recipe, version: int, *, model_dir: Path, serve_model_
     started = utc_now()
     endpoint = moved.endpoint
     result = evaluate_base_vs_tuned(recipe, model_dir=model_dir, tuned_url=endpoint.url,
-                                    tuned_model=adapter_model_name(recipe), api_key=api_key, out_dir=out_dir,
+                                    tuned_model=endpoint.model, api_key=api_key, out_dir=out_dir,
                                     candidate_version=version, candidate_mode="swap",
                                     production_version=before if before != version else None, log=log,
                                     kt_weight_dir=kt_weight_dir)

@@ -98,6 +98,7 @@ from ktflow.stages.serve.records import (
     port_is_open,
     read_endpoint,
     resolve_api_key,
+    tuned_model_name,
 )
 from ktflow.stages.serve.sglang.adapters import LoadedAdapter, SglangAdapters, dynamic_adapter, swap_sglang_adapter
 
@@ -109,4 +110,5 @@ __all__ = [
     "dry_run", "dynamic_adapter", "free_port", "is_alive", "label_endpoint_version", "measure_serve",
     "port_is_free", "port_is_open", "read_endpoint", "render_llamafactory_api", "resolve_api_key", "serve",
     "serve_needs", "smoke_test", "start_server", "stop", "swap_adapter", "swap_sglang_adapter", "temporary_server",
+    "tuned_model_name",
 ]

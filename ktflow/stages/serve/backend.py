@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import Recipe
 
 Log = Callable[[str], None] | None
+ServeMode = Literal["merged", "lora"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Launch:
     expect_model: str | None  # a model /v1/models must list before the server counts as ready
     check_auth: bool  # whether the readiness gate also checks that a request without the key is refused
     infer_path: Path | None = None  # LlamaFactory's inference config, written beside the record
+    merged_dir: Path | None = None  # the merge of the adapter it serves (serving.mode merged)
     details: dict[str, Any] = field(default_factory=dict)  # what else a dry run shows (the backend's own)
 
 
@@ -50,11 +52,13 @@ class Backend(Protocol):
         ...
 
     def prepare(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-                record_dir: Path, log: Log) -> None:
+                record_dir: Path, log: Log, mode: ServeMode = "lora") -> None:
         """Make what the server will read (a swap does it while the old server still serves)."""
         ...
 
     def launch(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False) -> Launch:
-        """The server's :class:`Launch`; ``dry_run``: check and make nothing that needs the files, write nothing."""
+               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False,
+               mode: ServeMode = "lora") -> Launch:
+        """The server's :class:`Launch`; ``dry_run``: check and make nothing that needs the files, write nothing;
+        ``mode``: ``merged`` serves the adapter folded into the weights (made here when first needed)."""
         ...

@@ -31,7 +31,7 @@ from ktflow.host.process import (
 )
 from ktflow.recipe import Recipe
 from ktflow.resources import preflight
-from ktflow.stages.serve.backend import Backend, Launch
+from ktflow.stages.serve.backend import Backend, Launch, ServeMode
 from ktflow.stages.serve.llamafactory import BACKEND as LLAMAFACTORY
 from ktflow.stages.serve.needs import measure_serve, serve_needs
 from ktflow.stages.serve.process import _reap_marked, smoke_test, start_server
@@ -74,7 +74,7 @@ def _start_endpoint(
     recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, record_dir: Path, api_key: str,
     key_file: Path | None, port: int, previous: AdapterRef | None, last_failed_swap: FailedSwap | None,
     log: Callable[[str], None] | None, die_with_parent: bool, kt_weight_dir: Path | None = None,
-    host: HostInfo | None = None,
+    host: HostInfo | None = None, mode: ServeMode = "lora",
 ) -> Endpoint:
     serving = recipe.serving
     if not port_is_free(serving.host, port):
@@ -85,21 +85,24 @@ def _start_endpoint(
     child_env = {k: v for k, v in os.environ.items() if k != serving.api_key_env}
     launch = backend_for(recipe).launch(recipe, model_dir=model_dir, adapter_dir=adapter_dir,
                                         kt_weight_dir=kt_weight_dir, record_dir=record_dir, port=port, host=host,
-                                        log=log)
+                                        log=log, mode=mode)
     child_env.update(launch.env)
     child_env["PATH"] = f"{launch.python.parent}{os.pathsep}{child_env.get('PATH', '')}"
     manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
     url = base_url(serving.host, port)
     endpoint = Endpoint(
         url=url, backend=serving.backend, served_model_name=serving.served_model_name,
-        adapter_model_name=launch.model_name if adapter_dir is not None else None, pid=0,
+        adapter_model_name=launch.model_name if adapter_dir is not None and launch.merged_dir is None else None, pid=0,
         log_path=record_dir / SERVER_LOG, adapter_dir=adapter_dir,
         adapter_manifest_digest=manifest.digest() if manifest is not None else None, started_at=_now(),
         state="starting", host=serving.host, port=port, run_id=uuid.uuid4().hex, infer_config=launch.infer_path,
         api_key_env=serving.api_key_env, api_key_file=key_file, previous=previous, last_failed_swap=last_failed_swap,
+        merged_dir=launch.merged_dir,
     )
     if log:
-        log(f"starting {launch.what} on {url} (model {launch.model_name}, adapter {adapter_dir or 'none'})")
+        how = "merged into the weights" if launch.merged_dir is not None else "as a LoRA adapter"
+        log(f"starting {launch.what} on {url} (model {launch.model_name}, adapter "
+            f"{f'{adapter_dir}, {how}' if adapter_dir is not None else 'none'})")
     return _start_and_gate(endpoint, launch, child_env, api_key, record_dir=record_dir, log=log,
                            die_with_parent=die_with_parent, timeout_s=serving.ready_timeout_s)
 
@@ -178,6 +181,7 @@ def serve(
     die_with_parent: bool = False,
     kt_weight_dir: Path | None = None,
     host: HostInfo | None = None,
+    mode: ServeMode | None = None,
 ) -> Endpoint:
     """Start the recipe's endpoint and record it in ``record_dir/endpoint.json``.
 
@@ -197,6 +201,9 @@ def serve(
         port: overrides ``serving.port`` (e.g. a second, temporary server).
         validate: check the adapter against the base before starting (headers only).
         log: receives progress and the server's output lines while it starts.
+        mode: ``merged`` (sglang): the adapter folded into the weights by the merge stage (made once, cached in
+            the store) and served with no LoRA flags; ``lora``: the base weights with the adapter through KT's
+            LoRA path. Default: the recipe's (``serving.mode``).
 
     Raises:
         KtflowError: the backend is not llamafactory, or an endpoint is already running here.
@@ -225,6 +232,7 @@ def serve(
         recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=key, key_file=key_file,
         port=port if port is not None else _recipe_port(recipe, log), previous=None, last_failed_swap=None, log=log,
         die_with_parent=die_with_parent, kt_weight_dir=kt_weight_dir, host=host,
+        mode=mode or recipe.serving.resolved_mode,
     )
 
 
@@ -288,12 +296,12 @@ def swap_adapter(
         # what the server is given (for sglang-kt: a model view, the AMXINT8 .kt layout) is made while the old
         # server still serves
         backend.prepare(recipe, model_dir=model_dir, adapter_dir=new_adapter_dir, kt_weight_dir=kt_weight_dir,
-                        record_dir=record_dir, log=log)
+                        record_dir=record_dir, log=log, mode=recipe.serving.resolved_mode)
     if log:
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)
     common = dict(model_dir=model_dir, record_dir=record_dir, api_key=key, key_file=key_file, port=port, log=log,
-                  die_with_parent=False, kt_weight_dir=kt_weight_dir)
+                  die_with_parent=False, kt_weight_dir=kt_weight_dir, mode=recipe.serving.resolved_mode)
     try:
         return _start_endpoint(recipe, adapter_dir=new_adapter_dir, previous=good, last_failed_swap=None, **common)
     except (KtflowError, OSError) as exc:
@@ -337,13 +345,14 @@ def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | Non
     """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
     same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
     the block, even when we are killed), stopped on the way out. sglang: a second sglang-kt
-    process (its own copy of the CPU experts from ``kt_weight_dir``) beside production's."""
+    process (its own copy of the CPU experts from ``kt_weight_dir``) beside production's, through KT's LoRA path
+    whatever ``serving.mode`` says: judging a candidate costs no merge."""
     try:
         port = free_port(recipe.serving.host)
         if log:
             log(f"starting a {what} server on port {port}")
         yield serve(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=api_key,
-                    port=port, log=log, die_with_parent=True, kt_weight_dir=kt_weight_dir)
+                    port=port, log=log, die_with_parent=True, kt_weight_dir=kt_weight_dir, mode="lora")
     finally:
         stop(record_dir)
 
@@ -366,4 +375,5 @@ def dry_run(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_wei
         })
     return backend_for(recipe).launch(recipe, model_dir=Path(model_dir).absolute(), adapter_dir=adapter_dir,
                                       kt_weight_dir=kt_weight_dir, record_dir=Path(record_dir).absolute(),
-                                      port=recipe.serving.port, host=host, log=None, dry_run=True)
+                                      port=recipe.serving.port, host=host, log=None, dry_run=True,
+                                      mode=recipe.serving.resolved_mode)

@@ -69,6 +69,7 @@ class Endpoint(BaseModel):
     previous: AdapterRef | None = None  # the last good adapter before this one
     last_failed_swap: FailedSwap | None = None
     adapter_version: int | None = None  # the recipe's adapter version it serves (ktflow.registry), once promoted
+    merged_dir: Path | None = None  # the merge of adapter_dir it serves (serving.mode merged); None: the LoRA path
 
     @property
     def model(self) -> str:
@@ -138,6 +139,14 @@ def _recipe_port(recipe: Recipe, log: Callable[[str], None] | None) -> int:
     if log:
         log(f"serving.port is auto: serving on free port {port}")
     return port
+
+
+def tuned_model_name(recipe: Recipe) -> str:
+    """The model a client asks the recipe's production endpoint for: the served model itself where the adapter is
+    merged into its weights (``serving.mode`` merged), else ``<served_model_name>:<adapter_name>``."""
+    if recipe.serving.resolved_mode == "merged":
+        return recipe.serving.served_model_name
+    return adapter_model_name(recipe)
 
 
 def adapter_model_name(recipe: Recipe) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ktflow.formats.adapter import check_servable_adapter
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import Recipe
-from ktflow.stages.serve.backend import Launch, Log
+from ktflow.stages.serve.backend import Launch, Log, ServeMode
 from ktflow.stages.serve.llamafactory.launch import INFER_YAML, dump_infer_yaml, render_llamafactory_api
 from ktflow.stages.serve.records import LLAMAFACTORY_KEY_ENV, base_url
 from ktflow.store import atomic_write_bytes
@@ -34,13 +34,14 @@ class LlamafactoryBackend:
         return check_servable_adapter(adapter_dir, model_dir if validate else None)
 
     def prepare(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-                record_dir: Path, log: Log) -> None:
+                record_dir: Path, log: Log, mode: ServeMode = "lora") -> None:
         return None  # LlamaFactory reads the checkpoint and the adapter as they are
 
     def launch(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False) -> Launch:
+               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False,
+               mode: ServeMode = "lora") -> Launch:
         """Readiness is ``/v1/models`` listing the model; ``infer.yaml`` is written beside the record (not in a
-        dry run)."""
+        dry run). LlamaFactory merges the adapter at load whatever ``mode`` says."""
         python = recipe.toolchains.train.python.absolute() if dry_run else self.python(recipe)
         argv, env, infer = render_llamafactory_api(recipe, model_dir=model_dir, adapter_dir=adapter_dir,
                                                    train_python=python, config_dir=record_dir, port=port)

@@ -8,7 +8,8 @@ loaded at startup.
 - ``adapters.py``: one client for SGLang's adapter API (plain SGLang's no-downtime swap, a candidate loaded
   beside production).
 - here: the backend the lifecycle starts (:data:`BACKEND`): readiness on ``/health``, the key handed to the
-  server's parser in-process.
+  server's parser in-process; in ``merged`` mode the adapter is first folded into the weights by the merge stage
+  (:mod:`ktflow.stages.merge`, cached in the store) and the server gets those weights with no LoRA flags.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from ktflow.errors import InvalidInputError
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import Recipe
-from ktflow.stages.serve.backend import Launch, Log
+from ktflow.stages.serve.backend import Launch, Log, ServeMode
 from ktflow.stages.serve.records import adapter_model_name, base_url
 from ktflow.stages.serve.sglang.inputs import model_view_plan, sglang_inputs
 from ktflow.stages.serve.sglang.launch import render_sglang_launch
@@ -40,12 +41,42 @@ class SglangBackend:
         return Path(adapter_dir).absolute()
 
     def prepare(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-                record_dir: Path, log: Log) -> None:
-        sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=_weights(kt_weight_dir), adapter_dir=adapter_dir,
+                record_dir: Path, log: Log, mode: ServeMode = "lora") -> None:
+        model_dir, kt_weight_dir, adapter_dir, _ = self._weights(recipe, model_dir, adapter_dir, kt_weight_dir, mode,
+                                                                 dry_run=False, log=log)
+        sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
                       record_dir=record_dir, log=log)
 
+    def _weights(self, recipe: Recipe, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
+                 mode: ServeMode, *, dry_run: bool, log: Log) -> tuple[Path, Path, Path | None, Path | None]:
+        """``(model dir, expert weights, adapter for the LoRA flags, merged dir)`` the server is given: in ``merged``
+        mode the merge of ``adapter_dir`` into ``model_dir`` (made now, or named for a dry run) and no adapter;
+        else the inputs as they are."""
+        model_dir = Path(model_dir).absolute()
+        if mode != "merged" or adapter_dir is None:
+            return model_dir, _weights(kt_weight_dir), adapter_dir, None
+        from ktflow.stages.merge import merge_adapter, merge_target, served_paths  # torch: only where a merge runs
+
+        method = recipe.serving.kt_method
+        assert method is not None
+        t = recipe.serving.kt_threadpool_count
+        if dry_run:
+            merged = recipe.store.layout.merged(f"<{method.lower()} merge of the trained adapter>").absolute()
+        else:
+            merged = merge_target(recipe.store.layout, model_dir, adapter_dir, method, t).absolute()
+            if log:
+                log(f"merging {adapter_dir} into {model_dir} as {method} (serving.mode merged): {merged}")
+            result = merge_adapter(model_dir, adapter_dir, merged, method=method, threadpool_count=t,
+                                   serve_python=self.python(recipe))
+            if log:
+                log(f"merged weights {'found in the store' if result.cached else f'made in {result.seconds:.0f} s'}: "
+                    f"{merged}")
+        served_model, served_experts = served_paths(merged, method)
+        return served_model, served_experts, None, merged
+
     def launch(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
-               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False) -> Launch:
+               record_dir: Path, port: int | str, host: HostInfo | None, log: Log = None, dry_run: bool = False,
+               mode: ServeMode = "lora") -> Launch:
         """The key reaches the server through its environment (the launcher hands it to the parser in-process);
         readiness is ``/health``. The model and the experts are given as sglang-kt reads them
         (:func:`~ktflow.stages.serve.sglang.inputs.sglang_inputs`), made here when first needed; a dry run only
@@ -55,8 +86,12 @@ class SglangBackend:
 
         serving = recipe.serving
         python = recipe.toolchains.serve.python.absolute() if dry_run else self.python(recipe)
-        weights = _weights(kt_weight_dir)
+        model_dir, weights, adapter_dir, merged = self._weights(recipe, model_dir, adapter_dir, kt_weight_dir, mode,
+                                                                dry_run=dry_run, log=log)
         notes: list[str] = []
+        if dry_run and merged is not None:
+            notes.append(f"--model-path and --kt-weight-path: the merge stage folds the adapter into the weights as "
+                         f"{serving.kt_method} before the start ({merged.parent}/<base>-<adapter>-<method>), cached")
         if dry_run and not (Path(model_dir) / "config.json").is_file():
             model_dir = Path(model_dir).absolute()  # not there yet: the view, if any, is decided at start
         else:
@@ -67,7 +102,7 @@ class SglangBackend:
             if dry_run and model_dir != model_in:
                 notes.append(f"--model-path: a view of {model_in} the serve stage makes at start "
                              f"({model_view_plan(model_in).reason})")  # type: ignore[union-attr]
-        if dry_run and serving.kt_method == "AMXINT8":
+        if dry_run and serving.kt_method == "AMXINT8" and merged is None:
             notes.append("--kt-weight-path: with an adapter that carries an expert LoRA (a KT SFT adapter), the "
                          "serve stage serves kt-kernel's .kt layout of these INT8 weights, written once into the "
                          "store at start")
@@ -83,7 +118,7 @@ class SglangBackend:
                       key_env=rendered.api_key_env or serving.api_key_env,
                       model_name=adapter_model_name(recipe) if adapter_dir is not None else serving.served_model_name,
                       ready_url=f"{base_url(serving.host, port).removesuffix('/v1')}/health", expect_model=None,
-                      check_auth=False, details=details)
+                      check_auth=False, details=details, merged_dir=merged)
 
 
 def _weights(kt_weight_dir: Path | None) -> Path:

@@ -46,10 +46,10 @@ from pydantic import BaseModel, Field
 from ktflow.errors import HostRequirementError, InvalidInputError
 from ktflow.formats.adapter import check_servable_adapter, has_expert_lora
 from ktflow.formats.checkpoint import inspect_checkpoint, load_config
-from ktflow.formats.kt_layout import has_kt_layout
+from ktflow.formats.kt_layout import MERGED_KT_DIR, has_kt_layout
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
-from ktflow.resources import QUANTIZE_INT8_STAGE
+from ktflow.resources import MERGE_STAGE, QUANTIZE_INT8_STAGE
 from ktflow.stages.serve.sglang.inputs import KT_LAYOUT_STAGE
 from ktflow.store import StageManifest, read_manifest
 
@@ -208,16 +208,28 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
         "--kt-method", served_kt_method(serving.kt_method, adapter_dir),
         "--kt-cpuinfer", str(cpuinfer),
         "--kt-threadpool-count", str(serving.kt_threadpool_count),
-        "--kt-num-gpu-experts", "0",
+        # KT's LoRA path holds no expert on the GPU (sglang-kt refuses it with an expert LoRA)
+        "--kt-num-gpu-experts", "0" if adapter_dir is not None else str(serving.kt_num_gpu_experts),
         "--tensor-parallel-size", str(serving.gpus),
         "--host", serving.host,
         "--port", str(port),
         "--served-model-name", serving.served_model_name,
     ]
+    running = serving.max_running_requests
     if adapter_dir is not None:
         args += ["--enable-lora", "--lora-backend", serving.lora_backend,
                  "--lora-paths", f"{serving.adapter_name}={adapter_dir}"]
-    args += ["--max-running-requests", str(serving.max_running_requests)]
+        running = max(running, 2)  # KT's LoRA path needs two (a merged recipe's candidate server may ask for one)
+    else:
+        # The engine's levers, for a server without a KT LoRA (merged, or the base model)
+        for flag, value in (("--kt-gpu-prefill-token-threshold", serving.kt_gpu_prefill_token_threshold),
+                            ("--kt-max-deferred-experts-per-token", serving.kt_max_deferred_experts_per_token),
+                            ("--kt-expert-placement-strategy", serving.kt_expert_placement_strategy)):
+            if value is not None:
+                args += [flag, str(value)]
+        if serving.kt_enable_dynamic_expert_update:
+            args.append("--kt-enable-dynamic-expert-update")
+    args += ["--max-running-requests", str(running)]
     if serving.disable_cuda_graph:
         args.append("--disable-cuda-graph")
     for flag, value in (("--context-length", serving.context_length),
@@ -321,7 +333,12 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
                                 f"pass the expert weights for serving.kt_method {method}")
     manifest = read_manifest(kt_dir)
     is_int8 = manifest is not None and manifest.stage in _int8_stages()
-
+    merged = read_manifest(kt_dir.parent) if kt_dir.name == MERGED_KT_DIR else None
+    if merged is not None and merged.stage == MERGE_STAGE:
+        return _check_merged_kt_weights(kt_dir, merged, method, t)
+    if method == "AMXINT4":
+        raise InvalidInputError(subject, "is not the merge stage's kt-kernel output, the only AMXINT4 experts ktflow "
+                                "makes.", "serve with serving.mode: merged (the merge writes AMXINT4 experts)")
     if method == "AMXINT8":
         return _check_int8_weights(kt_dir, manifest if is_int8 else None, t)
     expected = _NATIVE_FORMATS[method]
@@ -345,6 +362,20 @@ def _check_kt_weights(recipe: Recipe, kt_dir: Path) -> int | None:
             f"natively from --kt-weight-path.", fix,
         )
     return None
+
+
+def _check_merged_kt_weights(kt_dir: Path, manifest: StageManifest, method: str, t: int) -> int:
+    """The merge stage's kt-kernel experts (``<merged>/kt``): made as ``method`` with this very T; return T."""
+    made_as, made_t = manifest.settings.get("method"), manifest.settings.get("threadpool_count")
+    if made_as != method:
+        raise InvalidInputError(f"kt_weight_dir {kt_dir}", f"was merged as {made_as}, not {method}.",
+                                f"merge again as {method}, or set serving.kt_method: {made_as}")
+    if made_t != t:
+        raise InvalidInputError(
+            "serving.kt_threadpool_count", f"is {t}, but the {method} experts in {kt_dir} were merged with "
+            f"threadpool_count {made_t} (kt-kernel splits each expert into T NUMA slices).",
+            f"set serving.kt_threadpool_count: {made_t}, or merge again with T={t}")
+    return t
 
 
 def _int8_stages() -> frozenset[str]:
