@@ -45,17 +45,26 @@ TRAIN_PKGS := llamafactory==0.9.5 torch==2.9.1 torchvision==0.24.1 torchaudio==2
 LEGACY_LF := $(TRAIN_VENV)/llamafactory-0.9.4
 LEGACY_STAMP := $(LEGACY_LF)/.ktflow-installed
 
-# The serving toolchain: kt-kernel (its converters and CPU kernels) pins torch 2.9.1.
+# The serving toolchain: sglang-kt with its GPU dependencies (flashinfer, the KT builds of sglang's kernels),
+# kt-kernel, and the `ktransformers` wheel, which carries sglang's sm90 kernels and the parts the other GPUs'
+# kernels are unpacked from at the first start (`pip install kt-kernel sglang-kt` alone lacks them). On a CPU
+# box it installs the same and imports (server arguments, kt-kernel); only a GPU host runs the server.
 SERVE_VENV := .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.ktflow-installed
-SERVE_PKGS := kt-kernel==0.7.2 torch==2.9.1
+SERVE_PKGS := 'ktransformers[sglang]==0.7.2' torch==2.9.1
 # The KT 0.7 training toolchain (LlamaFactory-kt and the -kt forks): on this CPU box it is used to
 # check rendered KT configs with LlamaFactory-kt's own parser and kt-kernel's own KTConfig.
 KT_VENV := .venv-kt-train
 KT_STAMP := $(KT_VENV)/.ktflow-installed
 KT_PKGS := 'ktransformers[sft]==0.7.2' torch==2.9.1 torchaudio==2.9.1
+# The KT toolchains' locks are resolved by uv for the GPU hosts' platform, not this machine's: every KT wheel
+# is manylinux_2_35 x86-64 for CPython 3.11/3.12. A lock made for 3.11 resolves the same on 3.12 (checked by
+# tests/test_preflight.py); one made for 3.12 would not install on 3.11.
+LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_35
+COMPILE := $(BIN)/uv pip compile -q --no-header --no-annotate $(LOCK_TARGET)
 
-.PHONY: demo test docs env train-env serve-env kt-train-env browser sshd lock lock-train lock-serve lock-kt-train clean-env
+.PHONY: demo test docs env train-env serve-env kt-train-env gpu-env gpu-env-check browser sshd lock lock-train lock-serve \
+	lock-kt-train clean-env
 
 env: $(STAMP)
 train-env: $(TRAIN_STAMP)
@@ -78,17 +87,34 @@ $(LEGACY_STAMP): $(TRAIN_STAMP)
 	$(UV) --python $(TRAIN_VENV)/bin/python --no-deps --target $(LEGACY_LF) llamafactory==0.9.4
 	@touch $@
 
-$(SERVE_STAMP): constraints/serve.txt constraints/sglang-nodeps.txt | $(STAMP)
+$(SERVE_STAMP): constraints/serve.txt | $(STAMP)
 	@test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
 	$(UV) --python $(SERVE_VENV)/bin/python -c constraints/serve.txt $(SERVE_PKGS)
-	# sglang-kt beside kt-kernel without its GPU-only dependencies: enough for its argument parser.
-	$(UV) --python $(SERVE_VENV)/bin/python --no-deps -r constraints/sglang-nodeps.txt
 	@touch $@
 
 $(KT_STAMP): constraints/kt-train.txt | $(STAMP)
 	@test -x $(KT_VENV)/bin/python || $(PYTHON) -m venv $(KT_VENV)
 	$(UV) --python $(KT_VENV)/bin/python -c constraints/kt-train.txt $(KT_PKGS)
 	@touch $@
+
+# A networked Linux GPU workstation, from nothing: the preflight names what the host lacks and how to get it
+# (exit 2 before anything is installed), then the KT training and serving toolchains from their locks (one
+# torch on disk), then the smoke check imports what each must run (sglang's server, kt-kernel's build for this
+# CPU, LlamaFactory-kt's trainer; torch.cuda and sglang's kernels for the GPU). docs/guides/workstation.md.
+gpu-env: $(STAMP)
+	$(BIN)/ktflow preflight --python $(PYTHON)
+	@$(MAKE) --no-print-directory $(KT_STAMP) $(SERVE_STAMP)
+	$(BIN)/ktflow smoke-check
+
+# The same on a machine without a GPU (CI, this checkout's CPU box): the preflight's CPU, Python, glibc and disk
+# checks, both toolchains installed from their locks, the smoke check's CPU parts, and every shipped recipe's
+# serving command parsed by the installed sglang-kt. `make test` installs the same toolchains and runs the same
+# tests; this target is the short way to check an install.
+gpu-env-check: $(STAMP)
+	$(BIN)/ktflow preflight --no-gpu --python $(PYTHON)
+	@$(MAKE) --no-print-directory $(KT_STAMP) $(SERVE_STAMP)
+	$(BIN)/ktflow smoke-check --no-gpu
+	$(BIN)/python -m pytest -q -p no:xdist tests/test_preflight.py tests/test_sglang_launch.py
 
 demo: $(STAMP) $(TRAIN_STAMP) $(SERVE_STAMP)
 	$(BIN)/ktflow demo
@@ -134,18 +160,18 @@ lock-train: $(STAMP)
 	  /tmp/ktflow-lock-train/bin/pip freeze | sed 's/+cpu$$//'; } > constraints/train.txt
 
 lock-serve: $(STAMP)
-	rm -rf /tmp/ktflow-lock-serve && $(PYTHON) -m venv /tmp/ktflow-lock-serve
-	$(UV) --python /tmp/ktflow-lock-serve/bin/python $(SERVE_PKGS)
-	{ echo "# Exact versions for the serving toolchain (.venv-serve): kt-kernel 0.7.2 pins torch 2.9.1."; \
-	  echo "# Regenerate: make lock-serve."; \
-	  /tmp/ktflow-lock-serve/bin/pip freeze | sed 's/+cpu$$//'; } > constraints/serve.txt
+	{ echo "# Exact versions for the serving toolchain (.venv-serve): ktransformers[sglang] 0.7.2 (sglang-kt with its GPU"; \
+	  echo "# dependencies, kt-kernel, the KT builds of sglang's kernels) and torch 2.9.1 (CUDA 12.8). Resolved by uv for"; \
+	  echo "# CPython 3.11 on manylinux_2_35 x86-64 (installs on 3.12 too). Regenerate: make lock-serve."; \
+	  printf '%s\n' $(SERVE_PKGS) | $(COMPILE) -; } > constraints/serve.txt.new
+	mv constraints/serve.txt.new constraints/serve.txt
 
 lock-kt-train: $(STAMP)
-	rm -rf /tmp/ktflow-lock-kt && $(PYTHON) -m venv /tmp/ktflow-lock-kt
-	$(UV) --python /tmp/ktflow-lock-kt/bin/python $(KT_PKGS)
-	{ echo "# Exact versions for the KT 0.7 training toolchain (.venv-kt-train): ktransformers[sft] 0.7.2 with"; \
-	  echo "# the -kt forks of LlamaFactory/transformers/accelerate/peft/trl and torch 2.9.1. Regenerate: make lock-kt-train."; \
-	  /tmp/ktflow-lock-kt/bin/pip freeze | sed 's/+cpu$$//'; } > constraints/kt-train.txt
+	{ echo "# Exact versions for the KT 0.7 training toolchain (.venv-kt-train): ktransformers[sft] 0.7.2 with the -kt forks"; \
+	  echo "# of LlamaFactory/transformers/accelerate/peft/trl and torch 2.9.1 (CUDA 12.8). Resolved by uv for CPython 3.11"; \
+	  echo "# on manylinux_2_35 x86-64 (installs on 3.12 too). Regenerate: make lock-kt-train."; \
+	  printf '%s\n' $(KT_PKGS) | $(COMPILE) -; } > constraints/kt-train.txt.new
+	mv constraints/kt-train.txt.new constraints/kt-train.txt
 
 clean-env:
 	rm -rf $(VENV) $(TRAIN_VENV) $(SERVE_VENV) $(KT_VENV) $(UV_CACHE_DIR)

@@ -165,7 +165,8 @@ def test_deploying_a_recipe_deployment_gives_the_recipe_file_as_its_default_para
 
 @pytest.mark.parametrize(("variant", "joins"), [
     ("amx", ["ktflow-control", "amx-train", "avx512-serve"]),
-    ("avx512_bf16", ["ktflow-control", "avx512-serve"]),
+    ("avx512_bf16", ["ktflow-control", "amx-train", "avx512-serve"]),  # KT 0.7 SFT kernels exist for it
+    ("avx512_vbmi", ["ktflow-control", "avx512-serve"]),
     ("avx512_vnni", ["ktflow-control", "avx512-serve"]),
 ])
 def test_a_host_joins_every_pool_it_qualifies_for(variant: str, joins: list[str]) -> None:
@@ -174,9 +175,9 @@ def test_a_host_joins_every_pool_it_qualifies_for(variant: str, joins: list[str]
 
 def test_a_pool_the_host_does_not_qualify_for_is_refused_with_the_reason() -> None:
     with pytest.raises(HostRequirementError) as caught:
-        choose_pools(host("avx512_bf16"), ["avx512-serve", "amx-train"])
+        choose_pools(host("avx512_vbmi"), ["avx512-serve", "amx-train"])
     message = str(caught.value)
-    assert "--pool amx-train" in message and "amx" in message and "avx512_bf16" in message and "Fix:" in message
+    assert "--pool amx-train" in message and "avx512_bf16" in message and "avx512_vbmi" in message and "Fix:" in message
     with pytest.raises(HostRequirementError, match="is not one of ktflow's pools"):
         choose_pools(host("amx"), ["gpu-serve"])
     with pytest.raises(HostRequirementError, match="qualifies for no stage pool"):

@@ -1,5 +1,7 @@
 """The sglang-kt launch: every rule ktflow refuses before a launch, the API key kept out of argv,
-and (slow) every shipped sglang recipe's command line parsed by sglang-kt 0.7.2's own parser."""
+and (slow) every shipped sglang recipe's command line parsed by sglang-kt 0.7.2's own parser, in the serving
+toolchain as `make serve-env` installs it (sglang-kt with every dependency of its server), or in the one
+KTFLOW_SERVE_PYTHON names."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from ktflow.store import StageManifest
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
-SERVE_PYTHON = REPO / ".venv-serve" / "bin" / "python"
+SERVE_PYTHON = Path(os.environ.get("KTFLOW_SERVE_PYTHON") or REPO / ".venv-serve" / "bin" / "python")
 SGLANG_RECIPES = [
     "kimi-k2.5-rawint4.yaml", "kimi-k2.5-bf16-int8.yaml", "deepseek-v3-fp8.yaml", "qwen3-30b-a3b-bf16.yaml",
     "deepseek-v2-lite-bf16.yaml",
@@ -117,7 +119,7 @@ def test_rawint4_command_line(weights, adapter: Path) -> None:
     assert launch.launch_args == [
         "--model-path", str(model_dir), "--kt-weight-path", str(model_dir), "--kt-method", "RAWINT4",
         "--kt-cpuinfer", "128", "--kt-threadpool-count", "2", "--kt-num-gpu-experts", "0",
-        "--tensor-parallel-size", "4", "--host", "127.0.0.1", "--port", "30000",
+        "--tensor-parallel-size", "1", "--host", "127.0.0.1", "--port", "30000",
         "--served-model-name", "kimi-k2.5", "--enable-lora", "--lora-backend", "triton",
         "--lora-paths", f"tuned={adapter}", "--max-running-requests", "4", "--disable-cuda-graph",
         "--context-length", "2048", "--chunked-prefill-size", "256", "--mem-fraction-static", "0.75",
@@ -216,7 +218,7 @@ def test_kt_cpuinfer_below_threadpool_count(weights, adapter: Path) -> None:
 
 
 def test_tensor_parallel_larger_than_the_hosts_gpus(weights, adapter: Path) -> None:
-    r = recipe("kimi-k2.5-rawint4.yaml")  # gpus: 4
+    r = recipe("kimi-k2.5-rawint4.yaml", "serving.gpus=4")
     with pytest.raises(HostRequirementError, match=r"serving\.gpus: asks for tensor parallel size 4.*3 GPU"):
         render(r, weights, adapter, host=fake_host(gpus=3))
 
@@ -359,7 +361,7 @@ def sglang_kt() -> None:
     ok = SERVE_PYTHON.exists() and subprocess.run(
         [str(SERVE_PYTHON), "-c", "import sglang.srt.server_args"], capture_output=True, timeout=300).returncode == 0
     if not ok:
-        pytest.skip("sglang-kt not importable in .venv-serve (pip install --no-deps -r constraints/sglang-nodeps.txt)")
+        pytest.skip(f"sglang-kt not importable in {SERVE_PYTHON} (make serve-env)")
 
 
 def parse_with_sglang(argvs: list[list[str]]) -> dict:
@@ -471,6 +473,34 @@ def test_owned_flags_are_sglang_kt_flags_and_refusing_prefixes_refuses_no_other_
     assert set(OWNED_FLAGS) <= options
     # a real flag that is a strict prefix of an owned one would be refused by the prefix rule by mistake
     assert [o for o in options - set(OWNED_FLAGS) if any(f.startswith(o) for f in OWNED_FLAGS)] == []
+
+
+_REQUIREMENTS = r"""
+import json
+from importlib.metadata import PackageNotFoundError, distribution, version
+from packaging.requirements import Requirement
+missing = []
+for text in distribution("sglang-kt").requires or ():
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue  # an extra's, or another platform's
+    try:
+        if not req.specifier.contains(version(req.name), prereleases=True):
+            missing.append(f"{req} (installed {version(req.name)})")
+    except PackageNotFoundError:
+        missing.append(str(req))
+print("MISSING " + json.dumps(missing))
+"""
+
+
+@pytest.mark.slow
+def test_the_parser_is_the_whole_servers(sglang_kt) -> None:
+    """The recipes are parsed by an sglang-kt installed with every dependency of its server (flashinfer, the
+    KT builds of its kernels, the web stack), as a GPU host runs it, not by a parser-only install."""
+    done = subprocess.run([str(SERVE_PYTHON), "-c", _REQUIREMENTS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    missing = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("MISSING ")).split(" ", 1)[1])
+    assert missing == [], f"sglang-kt's requirements not installed in {SERVE_PYTHON}: {missing}"
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The distributed side: Prefect workers (``worker``) and dataset versions (``dataset publish``)."""
+"""The distributed side: Prefect workers (``worker``) and dataset versions (``dataset publish``); and the host's
+install: ``preflight`` before the GPU toolchains are installed, ``smoke-check`` after."""
 
 from __future__ import annotations
 
@@ -15,6 +16,57 @@ from ktflow.cli._common import (
     out,
 )
 from ktflow.errors import InvalidInputError
+
+_VERDICT_COLOR = {"ok": "green", "missing": "red", "warn": "yellow", "skipped": "dim"}
+
+
+def _verdict(verdict: str) -> str:
+    """``ok``/``missing``/``warn``/``skipped``, colored and padded to one width."""
+    return f"[{_VERDICT_COLOR[verdict]}]{verdict:<7}[/]"
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """What this host lacks for the KT training and serving toolchains, and how to get it (exit 2 if anything)."""
+    from ktflow.host.preflight import INSTALL_DISK_BYTES, preflight, probe_facts
+
+    facts = probe_facts(python=args.python, disk_path=args.disk_path)
+    report = preflight(facts, gpu=not args.no_gpu, disk_needed=INSTALL_DISK_BYTES)
+    if args.json:
+        _print_json({"facts": facts.model_dump(mode="json"), "ok": report.ok,
+                     "findings": [f.model_dump(mode="json") for f in report.findings]})
+        return 0 if report.ok else 2
+    out.print(f"preflight for the KT training and serving toolchains on {facts.cpu_model or 'this host'}:")
+    for f in report.findings:
+        out.print(f"  {_verdict(f.verdict)} {f.item}: {f.have} (needs {f.need})", soft_wrap=True)
+        if f.fix:
+            out.print(f"          -> {f.fix}", soft_wrap=True)
+    if report.ok:
+        out.print("[green]preflight: nothing missing[/]" + (" (GPU side not checked)" if args.no_gpu else ""))
+        return 0
+    missing = ", ".join(f.item for f in report.missing)
+    err.print(f"[red]preflight: missing {missing}[/]: the lines marked -> say how to get each")
+    return 2
+
+
+def cmd_smoke_check(args: argparse.Namespace) -> int:
+    """Import what each installed toolchain must run; exit 2 naming what failed."""
+    from ktflow.host.preflight import run_smoke
+
+    results = run_smoke({"serve": args.serve_python, "train": args.train_python}, gpu=not args.no_gpu)
+    failed = [r for r in results if r.verdict == "missing"]
+    if args.json:
+        _print_json({"ok": not failed, "results": [r.model_dump(mode="json") for r in results]})
+        return 2 if failed else 0
+    table = Table(title="smoke check of the installed toolchains")
+    for column in ("toolchain", "check", "result"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(r.toolchain, f"{_verdict(r.verdict)} {r.name}", r.detail)
+    out.print(table)
+    if failed:
+        err.print(f"[red]smoke check failed: {', '.join(f'{r.toolchain}: {r.name}' for r in failed)}[/]")
+        return 2
+    return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -92,6 +144,25 @@ def add_host_commands(add: _Add) -> None:
                    help="create ktflow's work pools on the server (before `prefect deploy`), then exit")
     p.add_argument("--dry-run", action="store_true", help="print the worker commands instead of starting them")
     p.add_argument("--json", action="store_true", help="with --list: one JSON document")
+
+    p = add("preflight", cmd_preflight,
+            "say what this host lacks for the KT training and serving toolchains, and how to get it")
+    p.add_argument("--python", default="python3", metavar="PYTHON",
+                   help="the Python the toolchains' venvs will be made with (default: python3)")
+    p.add_argument("--disk-path", default=".", metavar="DIR",
+                   help="where the venvs and uv's cache go: the checkout (default: .)")
+    p.add_argument("--no-gpu", action="store_true",
+                   help="skip the GPU side (driver, GPUs, nvcc, g++): a machine that only installs")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = add("smoke-check", cmd_smoke_check,
+            "import what the installed KT toolchains must run: sglang's server, kt-kernel, LlamaFactory-kt, the GPU")
+    p.add_argument("--serve-python", default=".venv-serve/bin/python", metavar="PYTHON",
+                   help="the serving toolchain's python (default: .venv-serve/bin/python)")
+    p.add_argument("--train-python", default=".venv-kt-train/bin/python", metavar="PYTHON",
+                   help="the KT training toolchain's python (default: .venv-kt-train/bin/python)")
+    p.add_argument("--no-gpu", action="store_true", help="run only the CPU checks (a machine without a GPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = add("dataset", lambda a: a.dataset_parser.error("say what to do: publish"), "dataset versions")
     p.set_defaults(dataset_parser=p)

@@ -44,8 +44,11 @@ WORK_POOLS: tuple[WorkPoolSpec, ...] = (
     WorkPoolSpec(
         name="amx-train",
         role="training host: download, INT4/FP8 -> BF16, LoRA SFT",
-        min_cpu_variant="amx",
-        cpu_reason="KT SFT's fastest kernels (and every pre-0.7 KT kernel) need AMX",
+        # Named for AMX, but KT 0.7's SFT kernels also exist in kt-kernel's avx512_bf16 build, so such hosts (AMD
+        # Zen 4 and newer, Intel Cooper Lake) train too; the sft stage itself still refuses a recipe of the pre-0.7
+        # KT API (sft.backend kt-legacy, AMX only) on them (ktflow.planning.stage_plan.host_requirements).
+        min_cpu_variant="avx512_bf16",
+        cpu_reason="KT 0.7 SFT kernels exist only in kt-kernel's avx512_bf16 and amx builds",
         stages=("download", "dequantize", "sft"),
         # One training job at a time: SFT takes every core and most of the RAM.
         concurrency_limit=1,
