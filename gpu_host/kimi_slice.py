@@ -126,7 +126,8 @@ WHOLE_VARIANTS: dict[str, list[str]] = {
                             "sft.kt_config.kt_model_max_length=512", "sft.max_steps=5"],
     "as-the-recipe-ships": [],
     "as-the-seeds-guide": ["sft.cutoff_len=2048", "sft.per_device_train_batch_size=1",
-                           "sft.gradient_accumulation_steps=8", "sft.kt_config.kt_model_max_length=2048"],
+                           "sft.gradient_accumulation_steps=8", "sft.kt_shape_batches=false",
+                           "sft.kt_config.kt_model_max_length=2048"],
 }
 
 
@@ -219,6 +220,7 @@ SEED_HOSTS: dict[str, tuple[int, int]] = {  # name: (GPUs, RAM bytes)
 # KT settings as shipped.
 DEEPSEEK_V3_RECIPE = REPO / "recipes" / "deepseek-v3-fp8.yaml"
 DEEPSEEK_USER_GUIDE = ["sft.cutoff_len=512", "sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=16",
+                       "sft.kt_shape_batches=false",
                        "sft.lora_rank=8", "sft.kt_config.kt_model_max_length=512", "sft.kt_config.kt_backend=AMXBF16",
                        "sft.kt_config.kt_expert_weight_format=bf16"]
 SEED_PLANS: list[tuple[str, Path, str, list[str]]] = [

@@ -42,11 +42,11 @@ def test_doctor_with_recipe_lists_stages_and_fails_when_host_cannot_run_it() -> 
     result = ktflow("doctor", "--recipe", "recipes/kimi-k2.5-rawint4.yaml", "--json")
     report = json.loads(result.stdout)
     stages = {s["stage"]: s for s in report["stages"]}
-    enough_gpus = len(report["gpus"]) >= 8
+    enough_gpus = len(report["gpus"]) >= 1  # the recipe trains on one GPU
     assert stages["sft"]["runnable"] is enough_gpus
     assert result.returncode == (0 if enough_gpus and report["cpu_variant"] in ("amx", "avx512_bf16") else 2)
     if not enough_gpus:
-        assert f"sft needs 8 GPU(s); this host has {len(report['gpus'])}" in stages["sft"]["missing"]
+        assert f"sft needs 1 GPU(s); this host has {len(report['gpus'])}" in stages["sft"]["missing"]
 
 
 def test_doctor_table_for_the_demo_recipe() -> None:

@@ -209,8 +209,9 @@ def test_bf16_experts_kept_twice_name_the_setting_that_keeps_one() -> None:
 
 def test_the_recipe_says_whether_ktflow_may_shape_its_batches() -> None:
     kimi = REPO / "recipes/kimi-k2.5-rawint4.yaml"
-    assert load_recipe(kimi).sft.kt_shape_batches is False  # backend kt: opt in
-    assert load_recipe(kimi, ["sft.kt_shape_batches=true"]).sft.kt_shape_batches is True
+    assert load_recipe(kimi).sft.kt_shape_batches is True  # backend kt: the recipe opts in
+    assert load_recipe(kimi, ["sft.kt_shape_batches=false"]).sft.kt_shape_batches is False
+    assert load_recipe(REPO / "recipes/qwen3-30b-a3b-bf16.yaml").sft.kt_shape_batches is False  # kt, not written
     hf = REPO / "benchmarks/recipes/v2-lite-hf.yaml"  # writes per_device_train_batch_size and accumulation
     assert load_recipe(hf, ["sft.backend=auto"]).sft.kt_shape_batches is False  # explicit values win
     assert load_recipe(hf, ["sft.backend=auto", "sft.kt_shape_batches=true"]).sft.kt_shape_batches is True
@@ -307,7 +308,8 @@ def test_the_plan_says_more_gpus_do_not_make_kt_faster(tmp_path: Path) -> None:
 
     host = _h100(gpus=8, ram_gib=1536, cores=96, numa=2)
     kimi = REPO / "recipes/kimi-k2.5-rawint4.yaml"
-    lines = {g: _plan_sft(load_recipe(kimi, [f"store.root={tmp_path}", f"sft.gpus={g}"]), host) for g in (1, 2, 8)}
+    lines = {g: _plan_sft(load_recipe(kimi, [f"store.root={tmp_path}", f"sft.gpus={g}", "sft.kt_shape_batches=false"]),
+                          host) for g in (1, 2, 8)}
     assert lines[2].step_seconds == lines[8].step_seconds
     assert lines[2].step_seconds == pytest.approx(lines[1].step_seconds / COSTS.kt_multi_gpu_speed, rel=0.02)
     assert "batch 64 records a step: 2 GPUs x 1 record x 32 micro-batches" in lines[2].time_basis
@@ -322,7 +324,8 @@ def test_each_kt_rank_holds_the_non_expert_weights_whole_and_adds_its_rss(tmp_pa
     host = _h100(gpus=8, ram_gib=1536, cores=96, numa=2)
     kimi = REPO / "recipes/kimi-k2.5-rawint4.yaml"
     lines = {g: _plan_sft(load_recipe(kimi, [f"store.root={tmp_path}", f"sft.gpus={g}", "sft.cutoff_len=128",
-                                             "sft.fsdp_offload_params=false"]), host) for g in (1, 2, 4)}
+                                             "sft.fsdp_offload_params=false", "sft.kt_shape_batches=false"]), host)
+             for g in (1, 2, 4)}
     assert lines[2].gpu_bytes > lines[1].gpu_bytes and lines[4].gpu_bytes >= 0.98 * lines[2].gpu_bytes
     assert lines[1].ram_bytes < lines[2].ram_bytes < lines[4].ram_bytes
     assert lines[4].ram_bytes - lines[1].ram_bytes == pytest.approx(3 * 3.53 * GiB, rel=0.01)
@@ -332,8 +335,8 @@ def test_the_plan_predicts_kts_step_from_the_tokens(tmp_path: Path) -> None:
     """Issue 28: cutoff_len 512 and 4096 used to give the same KT step."""
     host = _h100(gpus=8, ram_gib=1536, cores=96, numa=2)
     kimi = REPO / "recipes/kimi-k2.5-rawint4.yaml"
-    short, long = (_plan_sft(load_recipe(kimi, [f"store.root={tmp_path}", f"sft.cutoff_len={c}"]), host)
-                   for c in (512, 4096))
+    short, long = (_plan_sft(load_recipe(kimi, [f"store.root={tmp_path}", f"sft.cutoff_len={c}", "sft.gpus=8",
+                                                "sft.kt_shape_batches=false"]), host) for c in (512, 4096))
     assert short.step_seconds is not None and long.step_seconds is not None
     assert long.step_seconds > 1.5 * short.step_seconds
     assert "counted as cutoff_len 512 (the bound; the dataset is not here)" in short.time_basis

@@ -69,7 +69,7 @@ def test_whole_model_plan_is_ktflows_for_the_kimi_recipe(fixture_dir, tmp_path: 
         assert row["step_s"] > 0 and row["ram_gib"] > 530  # 571 GB of INT4 experts in RAM
         assert "not yet calibrated on this host" in row["time_basis"]  # no slice run in this store
     assert "counted with the model's tokenizer" in by["as-the-slice-trains"]["time_basis"]
-    assert "4,096 tokens a micro-batch" in by["as-the-recipe-ships"]["time_basis"]
+    assert "counted as cutoff_len 4096" in by["as-the-recipe-ships"]["time_basis"]
     assert "2,048 tokens a micro-batch" in by["as-the-seeds-guide"]["time_basis"]
     assert by["as-the-recipe-ships"]["step_s"] > by["as-the-seeds-guide"]["step_s"]
     json.dumps(rows)  # what whole.json holds

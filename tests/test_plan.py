@@ -112,7 +112,7 @@ def test_a_hub_recipe_is_sized_before_download_and_what_does_not_fit_is_named(tm
     assert stages["download"].disk_bytes == recipe.source.size.stored_bytes
     assert any("553.4 GiB of disk" in p and "58.0 GiB free" in p for p in stages["download"].problems)
     assert any("GiB of RAM" in p for p in stages["sft"].problems)
-    assert any("sft needs 8 GPU(s)" in p for p in stages["sft"].problems)
+    assert any("sft needs 1 GPU(s)" in p for p in stages["sft"].problems)
     # A host that has it all: every stage fits.
     big = _host(gpus=8, ram_gib=1536, disk_gib=2000, cores=64)
     assert plan_recipe(recipe, big).fits
@@ -464,7 +464,8 @@ def test_the_serving_gpu_line_counts_the_kv_pool_that_max_total_tokens_bounds() 
     host = _host(gpus=4, ram_gib=2048, disk_gib=4096, cores=64)
 
     def serve(*overrides: str):
-        recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.kt_cpuinfer=64", *overrides])
+        recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml",
+                             ["serving.kt_cpuinfer=64", "serving.gpus=4", *overrides])
         return recipe, next(s for s in plan_recipe(recipe, host).stages if s.stage == "serve")
 
     recipe, unbounded = serve()
