@@ -11,6 +11,8 @@ from rich.table import Table
 
 from ktflow.cli._common import (
     _Add,
+    _add_recipe,
+    _load,
     _print_json,
     err,
     out,
@@ -127,6 +129,30 @@ def cmd_dataset_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dataset_check(args: argparse.Namespace) -> int:
+    """Validate a recipe's training records (and its held-out evaluation records) as the stages will read them."""
+    from ktflow.formats.dataset import validate_dataset
+
+    recipe = _load(args)
+    result: dict[str, object] = {"train": {"files": [str(f) for f in recipe.dataset.files],
+                                           "format": recipe.dataset.format,
+                                           "records": validate_dataset(recipe.dataset)}}
+    if recipe.evaluation.enabled and recipe.evaluation.files:
+        from ktflow.stages.evaluate import load_eval_records
+
+        result["evaluation"] = {"files": [str(f) for f in recipe.evaluation.files],
+                                "format": recipe.evaluation.format,
+                                "records": len(load_eval_records(recipe.evaluation))}
+    if args.json:
+        _print_json(result)
+        return 0
+    for role, found in result.items():
+        assert isinstance(found, dict)
+        out.print(f"{role}: {found['records']} good record(s) in {', '.join(found['files'])} ({found['format']})",
+                  soft_wrap=True, highlight=False)
+    return 0
+
+
 def add_host_commands(add: _Add) -> None:
     """Workers and dataset versions: the distributed side."""
     p = add("worker", cmd_worker, "join the Prefect work pools this host qualifies for")
@@ -164,7 +190,7 @@ def add_host_commands(add: _Add) -> None:
     p.add_argument("--no-gpu", action="store_true", help="run only the CPU checks (a machine without a GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
-    p = add("dataset", lambda a: a.dataset_parser.error("say what to do: publish"), "dataset versions")
+    p = add("dataset", lambda a: a.dataset_parser.error("say what to do: check or publish"), "dataset versions")
     p.set_defaults(dataset_parser=p)
     dsub = p.add_subparsers(dest="dataset_command", metavar="ACTION")
     q = dsub.add_parser("publish", help="validate a dataset and emit dataset.version.published (starts a retrain)",
@@ -172,4 +198,9 @@ def add_host_commands(add: _Add) -> None:
     q.set_defaults(func=cmd_dataset_publish)
     q.add_argument("path", metavar="PATH", help="the new dataset file")
     q.add_argument("--recipe", required=True, metavar="FILE", help="the recipe to retrain with it")
+    q.add_argument("--json", action="store_true", help="print one JSON document")
+    q = dsub.add_parser("check", help="validate a recipe's training and evaluation records, every bad one by file:line",
+                        description="validate a recipe's training and evaluation records, every bad one by file:line")
+    q.set_defaults(func=cmd_dataset_check)
+    _add_recipe(q)
     q.add_argument("--json", action="store_true", help="print one JSON document")
