@@ -97,11 +97,19 @@ $(KT_STAMP): constraints/kt-train.txt | $(STAMP)
 	$(UV) --python $(KT_VENV)/bin/python -c constraints/kt-train.txt $(KT_PKGS)
 	@touch $@
 
+# ktflow itself needs Python 3.11+, the KT wheels 3.11 or 3.12: said before anything is made (the preflight says
+# the rest once ktflow is installed).
+CHECK_PYTHON = $(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v in ((3, 11), (3, 12)) else \
+	"$(PYTHON) is Python %d.%d: the KT wheels need CPython 3.11 or 3.12; install python3.12 with its venv module \
+	(e.g. sudo apt install python3.12 python3.12-venv) and run: make gpu-env PYTHON=python3.12" % v)'
+
 # A networked Linux GPU workstation, from nothing: the preflight names what the host lacks and how to get it
 # (exit 2 before anything is installed), then the KT training and serving toolchains from their locks (one
 # torch on disk), then the smoke check imports what each must run (sglang's server, kt-kernel's build for this
 # CPU, LlamaFactory-kt's trainer; torch.cuda and sglang's kernels for the GPU). docs/guides/workstation.md.
-gpu-env: $(STAMP)
+gpu-env:
+	@$(CHECK_PYTHON)
+	@$(MAKE) --no-print-directory $(STAMP)
 	$(BIN)/ktflow preflight --python $(PYTHON)
 	@$(MAKE) --no-print-directory $(KT_STAMP) $(SERVE_STAMP)
 	$(BIN)/ktflow smoke-check
@@ -110,7 +118,9 @@ gpu-env: $(STAMP)
 # checks, both toolchains installed from their locks, the smoke check's CPU parts, and every shipped recipe's
 # serving command parsed by the installed sglang-kt. `make test` installs the same toolchains and runs the same
 # tests; this target is the short way to check an install.
-gpu-env-check: $(STAMP)
+gpu-env-check:
+	@$(CHECK_PYTHON)
+	@$(MAKE) --no-print-directory $(STAMP)
 	$(BIN)/ktflow preflight --no-gpu --python $(PYTHON)
 	@$(MAKE) --no-print-directory $(KT_STAMP) $(SERVE_STAMP)
 	$(BIN)/ktflow smoke-check --no-gpu

@@ -46,8 +46,9 @@ MIN_GXX = 11
 TRAIN_CPU_VARIANT: CpuVariant = "avx512_bf16"
 INSTALL_DISK_BYTES = 30 * GiB
 """Free disk the install needs where the checkout is (uv's cache and the venvs share one filesystem, so the torch
-stack is stored once): the two toolchains measured 13 GiB with their cache, plus ~4 GiB that sglang's GPU
-kernels are unpacked into at the first start on a GPU other than sm90, plus room for downloads."""
+stack is stored once): the two toolchains measured 11 GiB with their cache from an empty one (13 GiB after the
+serving toolchain's first import on a CPU machine), plus ~4 GiB that sglang's GPU kernels are unpacked into at the
+first start on a GPU other than sm90, plus room."""
 KERNEL_UNPACK_BYTES = 4 * GiB
 
 
