@@ -484,3 +484,17 @@ def test_the_plan_prices_each_merge_method_from_the_model_size() -> None:
 
 
 GIB = 1 << 30
+
+
+def test_the_merge_command_merges_and_says_how_to_serve_it(fixture_dir, tmp_path: Path, capsys) -> None:
+    from ktflow.cli import main
+
+    base = fixture_dir("bf16")
+    adapter = make_converted_adapter(base, tmp_path / "adapter", seed=3)
+    out = tmp_path / "merged"
+    assert main(["merge", str(base), str(adapter), str(out), "--method", "BF16", "--no-fsync"]) == 0
+    printed = capsys.readouterr().out
+    assert f"-> {out}" in printed and f"--kt-weight-path {out}" in printed and "--kt-method BF16" in printed
+    assert read_manifest(out).stage == "merge"
+    assert main(["merge", str(base), str(adapter), str(out), "--method", "BF16"]) == 0
+    assert "merge: cache hit" in capsys.readouterr().out

@@ -252,6 +252,28 @@ def cmd_quantize_int8(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ktflow.stages.merge import merge_adapter
+
+    columns = (TextColumn(f"merge as {args.method}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("merge", total=None)
+        result = merge_adapter(
+            Path(args.base_dir), Path(args.adapter_dir), Path(args.out_dir), method=args.method,
+            threadpool_count=args.threadpool_count, serve_python=Path(args.serve_python), workers=args.workers,
+            fsync=not args.no_fsync, progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    state = ("cache hit" if result.cached else
+             f"{result.tensors_merged} weights merged, {result.shards} shards ({result.shards_reused} reused)"
+             + (f", {result.kt_layers} kt-kernel layers" if result.kt_layers else "") + f" in {result.seconds:.1f} s")
+    out.print(f"merge: {state} -> {result.path}", markup=False, soft_wrap=True)
+    out.print("serve it with: " + " ".join(f"{flag} {value}" for flag, value in result.serve_flags.items()),
+              markup=False, soft_wrap=True)
+    return 0
+
+
 def _print_int8(result) -> None:
     errors = ", ".join(f"layer {k}: {v.get('mean_rel_err', float('nan')):.4f}" for k, v in result.verification.items()
                        if isinstance(v, dict))
@@ -327,3 +349,19 @@ def add_stage_commands(add: _Add) -> None:
     p.add_argument("--serve-python", default=".venv-serve/bin/python", metavar="PYTHON",
                    help="python of the serving toolchain (kt-kernel)")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing each layer")
+
+    p = add("merge", cmd_merge, "fold a converted adapter into its base's weights, written as the server reads them")
+    p.add_argument("base_dir", metavar="BASE_DIR",
+                   help="the checkpoint the adapter was trained on: BF16, or a Kimi-K2/K2.5 INT4 checkpoint as released")
+    p.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="the converted adapter (`ktflow convert-lora`'s output)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write the merged weights into")
+    p.add_argument("--method", required=True, choices=("BF16", "RAWINT4", "AMXINT8", "AMXINT4"),
+                   help="the expert format, as sglang-kt's --kt-method names it: BF16, RAWINT4 (Kimi INT4 bases: "
+                        "the source's scheme), or kt-kernel's AMXINT8 / AMXINT4")
+    p.add_argument("--threadpool-count", type=_positive_int, default=1, metavar="T",
+                   help="AMXINT8/AMXINT4: NUMA thread pools; serve with the same --kt-threadpool-count (default 1)")
+    p.add_argument("--workers", type=_positive_int,
+                   help="tensors merged at once (default 2); AMXINT8/AMXINT4: kt-kernel's CPU threads")
+    p.add_argument("--serve-python", default=".venv-serve/bin/python", metavar="PYTHON",
+                   help="AMXINT8/AMXINT4: python of the serving toolchain (kt-kernel)")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing each shard")
