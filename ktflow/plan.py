@@ -230,17 +230,45 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
 
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
-        if recipe.serving.backend == "sglang" and recipe.serving.kt_method:
-            decode = serve_decode_estimate(size, recipe.serving.kt_method,
-                                           recipe.serving.kt_cpuinfer or host.physical_cores, costs)
+        serving = recipe.serving
+        if serving.backend == "sglang" and serving.kt_method:
+            decode = serve_decode_estimate(size, serving.kt_method, serving.kt_cpuinfer or host.physical_cores, costs)
             if decode is not None:
                 line.decode_tokens_per_s = decode.tokens_per_s
                 line.time_basis = decode.basis
+            _price_serving_mode(line, recipe, host, size, costs)
     elif line.stage == "convert-lora":
         line.disk_bytes = GiB
     elif line.stage == "evaluate":
         ram, gpu = _predict_candidate(line, recipe, host, size)
     _check_fit(line, host, ram, gpu)
+
+
+def _price_serving_mode(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize, costs: CostModel) -> None:
+    """The serving mode in the serve line's reason; for ``merged``, the merge stage the serve stage runs first:
+    its time (the line's), its output on disk, and its peak RAM against what the host has."""
+    from ktflow.planning.merge_cost import merge_estimate
+
+    serving = recipe.serving
+    mode = serving.resolved_mode
+    why = "set by serving.mode" if serving.mode != "auto" else (
+        f"auto: the merge stage writes {serving.kt_method}" if mode == "merged" else
+        f"auto: the merge stage does not write {serving.kt_method}")
+    if mode == "lora":
+        line.reason += f"; the adapter through KT's LoRA path ({why}: CUDA graphs off, no GPU experts)"
+        return
+    assert serving.kt_method is not None
+    merge = merge_estimate(size, serving.kt_method, host.physical_cores, serving.kt_threadpool_count, costs)
+    line.reason += (f"; the adapter merged into the weights as {serving.kt_method} ({why}), served with no LoRA "
+                    "flags")
+    line.seconds = merge.seconds
+    line.disk_bytes += merge.disk_bytes
+    merge_basis = (f"merge first: ~{merge.seconds / 60:.0f} min, {merge.disk_bytes / GiB:.1f} GiB on disk, "
+                   f"{merge.ram_bytes / GiB:.1f} GiB RAM at its peak ({merge.basis})")
+    line.time_basis = f"{line.time_basis}; {merge_basis}" if line.time_basis else merge_basis
+    shortfall = ram_shortfall("merge", RamNeed(bytes=merge.ram_bytes, what="merge", why=merge.basis), host)
+    if shortfall:
+        line.problems.append(f"{shortfall}; or set serving.mode: lora")
 
 
 def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize
