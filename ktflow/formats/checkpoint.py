@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 
 from ktflow.errors import CheckpointError
-from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
+from ktflow.formats.safetensors_io import SafetensorsHeader, TensorInfo, read_header, read_tensor
 from ktflow.store import read_manifest
+
+if TYPE_CHECKING:
+    import torch
 
 CheckpointFormat = Literal["kimi-k2.5-int4", "kimi-k2-int4", "deepseek-v3-fp8", "bf16"]
 Layout = Literal["nested", "flat"]
@@ -363,3 +367,37 @@ def checkpoint_fingerprint(path: str | Path) -> str:
                 fh.seek(max(size - FINGERPRINT_SPAN, FINGERPRINT_SPAN))
                 digest.update(fh.read(FINGERPRINT_SPAN))
     return digest.hexdigest()
+
+
+class CheckpointTensors:
+    """A checkpoint's tensors read one at a time: its index, each shard's header read once on demand (thread-safe,
+    for parallel workers), and a clear error for a tensor the index lacks."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.weight_map, _ = read_weight_map(self.path)
+        self._headers: dict[str, SafetensorsHeader] = {}
+        self._lock = threading.Lock()
+
+    def header(self, shard: str) -> SafetensorsHeader:
+        with self._lock:
+            if shard not in self._headers:
+                self._headers[shard] = read_header(self.path / shard)
+            return self._headers[shard]
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """The tensor's dtype, shape and place in its shard.
+
+        Raises:
+            CheckpointError: the index names no such tensor.
+        """
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.path / INDEX_NAME}", f"no tensor '{name}' in the index",
+                                  "the checkpoint is incomplete; re-download it")
+        return self.header(shard).tensors[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read on its own into its own storage."""
+        self.tensor_info(name)
+        return read_tensor(self.header(self.weight_map[name]), name)

@@ -8,6 +8,8 @@
   workers (as processes). Imports: hardware, pools, process.
 - ``process.py``: run tools as cleaned-up children (``run_tool``, ``Guardian``,
   ``terminate_tree``), follow their logs (``LogFollower``), throttle log lines. Imports: errors.
+- ``preflight.py``: what a GPU workstation lacks before ``make gpu-env`` installs the KT toolchains (glibc,
+  Python, CPU, driver, nvcc, g++, disk), and the smoke check after it.
 
 Nothing here imports a stage, the planner or Prefect.
 """

@@ -37,10 +37,10 @@ from ktflow.formats.checkpoint import (
     INDEX_NAME,
     CheckpointFormat,
     CheckpointInfo,
+    CheckpointTensors,
     checkpoint_identity,
     identity_digest,
     inspect_checkpoint,
-    read_weight_map,
 )
 from ktflow.formats.quant_decode import (  # noqa: F401  (the decode rules, public here as before)
     FP8_BLOCK,
@@ -56,7 +56,6 @@ from ktflow.formats.quant_decode import (  # noqa: F401  (the decode rules, publ
 )
 from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
-    SafetensorsHeader,
     SafetensorsWriter,
     TensorInfo,
     read_header,
@@ -109,32 +108,12 @@ class DequantizeResult(BaseModel):
     manifest_digest: str | None
 
 
-class _Checkpoint:
-    """A validated source checkpoint: format, tensor -> shard map, and headers on demand."""
+class _Checkpoint(CheckpointTensors):
+    """A validated source checkpoint: its format, and its tensors read one at a time."""
 
     def __init__(self, path: Path, info: CheckpointInfo) -> None:
-        self.path = path
+        super().__init__(path)
         self.info = info
-        self.weight_map, _ = read_weight_map(path)
-        self._headers: dict[str, SafetensorsHeader] = {}
-        self._lock = threading.Lock()
-
-    def header(self, shard: str) -> SafetensorsHeader:
-        with self._lock:
-            if shard not in self._headers:
-                self._headers[shard] = read_header(self.path / shard)
-            return self._headers[shard]
-
-    def tensor_info(self, name: str) -> TensorInfo:
-        shard = self.weight_map.get(name)
-        if shard is None:
-            raise CheckpointError(f"{self.path / INDEX_NAME}", f"no tensor '{name}' in the index",
-                                  "the checkpoint is incomplete; re-download it")
-        return self.header(shard).tensors[name]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        self.tensor_info(name)  # a clear error for a tensor the index lacks
-        return read_tensor(self.header(self.weight_map[name]), name)
 
     def expect(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None) -> None:
         """Refuse a companion tensor whose dtype or shape the decode rule does not allow."""

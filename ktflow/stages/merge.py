@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +52,10 @@ from ktflow.formats.checkpoint import (
     CONFIG_NAME,
     INDEX_NAME,
     CheckpointInfo,
+    CheckpointTensors,
     checkpoint_identity,
     identity_digest,
     inspect_checkpoint,
-    read_weight_map,
 )
 from ktflow.formats.kt_layout import MERGED_KT_DIR
 from ktflow.formats.lora_merge import merge_lora_
@@ -64,7 +63,6 @@ from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quanti
 from ktflow.formats.quant_encode import encode_int4_pack_quantized
 from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
-    SafetensorsHeader,
     SafetensorsWriter,
     read_header,
     read_tensor,
@@ -205,31 +203,12 @@ class _Item:
         return total
 
 
-class _Base:
-    """The base checkpoint's tensors: headers on demand, one tensor read at a time."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.weight_map, _ = read_weight_map(path)
-        self._headers: dict[str, SafetensorsHeader] = {}
-        self._lock = threading.Lock()
-
-    def header(self, shard: str) -> SafetensorsHeader:
-        with self._lock:
-            if shard not in self._headers:
-                self._headers[shard] = read_header(self.path / shard)
-            return self._headers[shard]
-
-    def info(self, name: str) -> Any:
-        return self.header(self.weight_map[name]).tensors[name]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return read_base_tensor(self, name)
+_Base = CheckpointTensors  # the base checkpoint: headers on demand, one tensor read at a time
 
 
 def read_base_tensor(base: _Base, name: str) -> torch.Tensor:
     """One base tensor, read on its own (the only way the merge reads the base: tests count the reads)."""
-    return read_tensor(base.header(base.weight_map[name]), name)
+    return base.tensor(name)
 
 
 def _plan(base: _Base, info: CheckpointInfo, adapter: _Adapter, method: str) -> dict[str, list[_Item]]:
@@ -243,7 +222,7 @@ def _plan(base: _Base, info: CheckpointInfo, adapter: _Adapter, method: str) -> 
         if expert is not None and expert.group(3) in ("weight_scale", "weight_shape"):
             continue  # an INT4 weight's companions go with its weight_packed
         lora = unused.pop(module, None)
-        tensor_info = base.info(name)
+        tensor_info = base.tensor_info(name)
         if expert is not None and method in KT_METHODS:
             continue  # kt-kernel's driver quantizes the experts, merging their LoRA itself
         if expert is not None and expert.group(3) == "weight_packed":
@@ -253,7 +232,7 @@ def _plan(base: _Base, info: CheckpointInfo, adapter: _Adapter, method: str) -> 
                                       f"has {cols} columns, not whole INT4 groups of {INT4_GROUP_SIZE}.",
                                       "dequantize this checkpoint to BF16 first (`ktflow dequantize`), then merge that")
             if method == "RAWINT4":
-                companions = [(n, base.info(n).dtype, tuple(base.info(n).shape))
+                companions = [(n, base.tensor_info(n).dtype, tuple(base.tensor_info(n).shape))
                               for n in (name, module + ".weight_scale", module + ".weight_shape")]
                 item = _Item("reencode" if lora else "copy", name, tuple(companions), lora)
             else:
