@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ktflow.errors import InvalidInputError
 from ktflow.host.hardware import HostInfo
@@ -43,7 +43,7 @@ from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
 from ktflow.resources import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
-from ktflow.units import GB, GiB
+from ktflow.units import GB, GiB, human_bytes
 
 
 class StageEstimate(BaseModel):
@@ -61,6 +61,8 @@ class StageEstimate(BaseModel):
     decode_tokens_per_s: float | None = None  # serve (sglang + KT): one sequence's decode, predicted
     kt_probe: ProbeScale | None = None  # sft with KT on a host without KT runs: kt-kernel's kernels timed there
     time_basis: str = ""
+    # ``ktflow plan``'s one line for the stage, the essentials of time_basis, reason and candidate (not in the JSON)
+    summary: str = Field(default="", exclude=True)
     candidate: str = ""  # evaluate: how a retrained adapter is judged here, and why
     candidate_prices: list[str] = []  # evaluate: what each mode (beside, offline, swap) costs here, and if it fits
     fits: bool = True
@@ -210,12 +212,14 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
     if line.stage == "download":
         line.disk_bytes = size.stored_bytes
         line.time_basis = "network-bound: not predicted"
+        line.summary = f"{human_bytes(size.stored_bytes)} to fetch; the time depends on the network (not predicted)"
     elif line.stage == "dequantize":
         line.disk_bytes = bf16_bytes
         # Measured peak RSS 279-847 MB (README, dequantize); the stage declares disk only.
         ram = RamNeed(bytes=GiB, what="dequantize", why="python, torch and a few MB of scratch per worker")
         line.seconds = bf16_bytes / costs.dequantize_bytes_per_s
         line.time_basis = f"{costs.dequantize_bytes_per_s / GB:.1f} GB/s of BF16 written (fsync)"
+        line.summary = f"a BF16 copy of the checkpoint, written at {costs.dequantize_bytes_per_s / GB:.1f} GB/s"
     elif line.stage == "sft":
         ram, gpu = _predict_sft(line, recipe, host, size, records, lengths, costs, probe)
     elif line.stage == "quantize-int8":
@@ -225,12 +229,15 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
                       why="one MoE layer's BF16 experts and their INT8")
         line.seconds = expert_bf16 / (costs.quantize_bytes_per_core_s * host.physical_cores)
         line.time_basis = f"{costs.quantize_bytes_per_core_s / GB:.2f} GB/s of BF16 experts per core"
+        line.summary = (f"INT8 experts for serving, {costs.quantize_bytes_per_core_s / GB:.2f} GB/s of BF16 a core "
+                        f"on {host.physical_cores} cores")
     elif line.stage == "serve":
         from ktflow.stages.serve import ServeSizes, serve_needs
 
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
         serving = recipe.serving
+        line.summary = line.reason
         if serving.backend == "sglang" and serving.kt_method:
             decode = serve_decode_estimate(size, serving.kt_method, serving.kt_cpuinfer or host.physical_cores, costs)
             if decode is not None:
@@ -239,6 +246,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
             _price_serving_mode(line, recipe, host, size, costs)
     elif line.stage == "convert-lora":
         line.disk_bytes = GiB
+        line.summary = line.reason
     elif line.stage == "evaluate":
         ram, gpu = _predict_candidate(line, recipe, host, size)
     _check_fit(line, host, ram, gpu)
@@ -254,8 +262,11 @@ def _price_serving_mode(line: StageEstimate, recipe: Recipe, host: HostInfo, siz
     why = "set by serving.mode" if serving.mode != "auto" else (
         f"auto: the merge stage writes {serving.kt_method}" if mode == "merged" else
         f"auto: the merge stage does not write {serving.kt_method}")
+    decode = (f"; ~{line.decode_tokens_per_s:.1f} tokens/s decode at concurrency 1"
+              if line.decode_tokens_per_s is not None else "")
     if mode == "lora":
         line.reason += f"; the adapter through KT's LoRA path ({why}: CUDA graphs off, no GPU experts)"
+        line.summary = f"lora mode ({why}){decode}"
         return
     assert serving.kt_method is not None
     merge = merge_estimate(size, serving.kt_method, host.physical_cores, serving.kt_threadpool_count, costs)
@@ -266,6 +277,7 @@ def _price_serving_mode(line: StageEstimate, recipe: Recipe, host: HostInfo, siz
     merge_basis = (f"merge first: ~{merge.seconds / 60:.0f} min, {merge.disk_bytes / GiB:.1f} GiB on disk, "
                    f"{merge.ram_bytes / GiB:.1f} GiB RAM at its peak ({merge.basis})")
     line.time_basis = f"{line.time_basis}; {merge_basis}" if line.time_basis else merge_basis
+    line.summary = f"merged mode ({why}), merging first takes ~{brief_duration(merge.seconds)}{decode}"
     shortfall = ram_shortfall("merge", RamNeed(bytes=merge.ram_bytes, what="merge", why=merge.basis), host)
     if shortfall:
         line.problems.append(f"{shortfall}; or set serving.mode: lora")
@@ -282,11 +294,24 @@ def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size
     choice = choose_candidate_mode(recipe, sizes, host, production_running=False)
     line.candidate = f"candidate judged {choice.mode}: {choice.reason}"
     line.reason += f"; {line.candidate}"
+    how, why = _CANDIDATE_MODES[choice.mode]
+    line.summary = f"candidate judged {how} (" + (
+        "set by evaluation.candidate" if recipe.evaluation.candidate is not None else why) + ")"
     line.candidate_prices = [p.brief() for p in choice.prices]
     line.ram_bytes, line.gpu_bytes = choice.ram_bytes, choice.gpu_bytes
     if recipe.evaluation.candidate is not None and choice.problem:  # chosen by the recipe: checked
         line.problems.append(f"candidate {choice.mode}: {choice.problem}")
     return None, None
+
+
+# evaluate's line: how the candidate is judged, and why that mode when the host's memory chose it
+_CANDIDATE_MODES = {
+    "beside": ("beside production, which keeps serving", "it fits here"),
+    "offline": ("offline through the training toolchain, production keeps serving",
+                "servers beside production do not fit here"),
+    "swap": ("in production's place (swap), and a failed gate rolls production back",
+             "neither beside production nor offline fits here"),
+}
 
 
 def _kt_bytes(recipe: Recipe, size: ModelSize) -> int:
@@ -317,6 +342,7 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
             line.problems.append(exc.reason)
             return None, None
         recipe, chosen, shaped = choice.recipe, f"auto -> {choice.reason}. ", choice.batch_shape or ""
+        line.summary = f"auto chose {choice.backend.upper()}, "
         costs = _probe_kt(line, recipe, size, host, probe, costs)  # the choice itself is made as fitted
     elif recipe.sft.backend == "kt":
         costs = _probe_kt(line, recipe, size, host, probe, costs)
@@ -336,6 +362,9 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
         step = estimate.step_s
         load = costs.kt_load_s + costs.kt_load_s_per_gb * gb
         calibration = speed.basis if speed is not None else UNCALIBRATED
+        calibrated = (f"calibrated on this host (x{speed.factor:.2f})" if speed is not None else
+                      f"scaled x{line.kt_probe.factor:.2f} by this machine's KT probe"
+                      if line.kt_probe is not None and line.kt_probe.factor != 1.0 else "not yet calibrated on this host")
         if speed is None and line.kt_probe is not None:
             calibration += f"; {line.kt_probe.basis}"
         basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
@@ -353,15 +382,22 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
         step = hf_step_seconds(size, sft, costs, tokens_per_step=round(tokens * sft.gradient_accumulation_steps))
         load = costs.hf_load_s + costs.hf_load_s_per_gb * gb
         basis = f"step {step:.1f} s ({tokens_basis(sft, lengths)}; fitted on the H100 host)"
+        calibrated = "as fitted on the H100 host (no per-host calibration)"
     else:
         line.time_basis = f"{chosen}no calibration for sft.backend {sft.backend} on {sft.gpus} GPU(s)"
+        line.summary = line.summary or f"{sft.backend}, "
+        line.summary += f"time not predicted (no calibration for it on {sft.gpus} GPU(s))"
         return needs.ram, needs.gpu
     line.step_seconds = step
     if shaped:
         basis += f"; {shaped}"
     steps = sft_steps(recipe, records)
+    line.summary = (line.summary or f"{sft.backend.upper()}, ") + (
+        f"{brief_duration(step)} a step ({sft.gpu_split().describe().split(': ', 1)[1]})"
+        f"{f', {steps:,} steps' if steps is not None else ''}, {calibrated}")
     if steps is None:
         line.time_basis = chosen + basis + "; steps unknown until the dataset is here"
+        line.summary += "; steps unknown until the dataset is here"
         return needs.ram, needs.gpu
     line.seconds = costs.prelaunch_s + load + steps * step + costs.publish_s
     line.time_basis = f"{chosen}{basis}; {steps} steps"
@@ -395,6 +431,15 @@ def _check_fit(line: StageEstimate, host: HostInfo, ram: RamNeed | None, gpu: Gp
     if line.disk_bytes > host.disk_free_bytes:
         line.problems.append(f"needs ~{line.disk_bytes / GiB:.1f} GiB of disk; {host.disk_path} has "
                              f"{host.disk_free_bytes / GiB:.1f} GiB free")
+
+
+def brief_duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3.4 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def check_recipe_on_host(recipe: Recipe, host: HostInfo) -> list[StageCheck]:

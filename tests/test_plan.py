@@ -162,6 +162,93 @@ def test_the_plan_cli_and_another_hosts_description(tmp_path: Path, monkeypatch:
     assert "ktflow doctor --json" in capsys.readouterr().err
 
 
+# What --json prints of a stage: the plan's model, its one-line summary left out (the default output's).
+STAGE_JSON_KEYS = {"stage", "needed", "reason", "disk_bytes", "ram_bytes", "gpu_bytes", "gpus", "seconds",
+                   "step_seconds", "decode_tokens_per_s", "kt_probe", "time_basis", "candidate", "candidate_prices",
+                   "fits", "problems", "pools"}
+
+
+def _plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+              *flags: str) -> tuple[int, str]:
+    """``ktflow plan`` of the Kimi-K2.5 RAWINT4 recipe for the 2-core box with 23 GiB of RAM and 58 GiB of disk,
+    at 80 columns."""
+    from rich.console import Console
+
+    from ktflow.cli import main, pipeline
+
+    host_file = tmp_path / "host.json"
+    host_file.write_text(_host().model_dump_json())
+    monkeypatch.setattr(pipeline, "out", Console(width=80, highlight=False))
+    code = main(["plan", str(REPO / "recipes/kimi-k2.5-rawint4.yaml"), "--set", f"store.root={tmp_path}",
+                 "--host", str(host_file), *flags])
+    return code, capsys.readouterr().out
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_plan_prints_a_table_and_a_line_a_stage_and_every_problem_in_full(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_recipe(load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"store.root={tmp_path}"]), _host())
+    code, text = _plan_cli(tmp_path, capsys, monkeypatch)
+    assert code == 2
+    lines = text.splitlines()
+    header = [line.split("┃")[1:-1] for line in lines if line.startswith("┃")]
+    assert [c.strip() for c in header[0]] == ["stage", "runs", "time", "disk", "RAM", "GPU memory", "fits"]
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]]
+            for cells in (line.split("│")[1:-1] for line in lines if line.startswith("│"))}
+    assert list(rows) == [s.stage for s in plan.stages]
+    assert rows["dequantize"][0] == "skipped" and rows["sft"][0] == "yes" and rows["sft"][-1] == "no"
+    assert rows["sft"][4] == "1 x 18.1 GiB" and rows["download"][2] == "553.4 GiB"
+    # under it, one line a stage (two where it wraps at 80 columns), in the stages' order
+    below = lines[next(i for i, line in enumerate(lines) if line.startswith("└")) + 1:]
+    problems = [p if p.startswith(s.stage) else f"{s.stage}: {p}" for s in plan.stages for p in s.problems]
+    assert len(problems) == 5
+    summaries = below[:below.index("what does not fit this host:")]
+    starts = [i for i, line in enumerate(summaries) if line.split(":")[0] in rows]
+    assert [summaries[i].split(":")[0] for i in starts] == list(rows)
+    assert len(summaries) <= 2 * len(rows)
+    summary = _words("\n".join(summaries))
+    assert "sft: KT, " in summary and "(1 record x 64 micro-batches)" in summary
+    assert "not yet calibrated on this host" in summary and "steps unknown until the dataset is here" in summary
+    assert "serve: lora mode (set by serving.mode); ~0.7 tokens/s decode at concurrency 1" in summary
+    assert "evaluate: candidate judged in production's place (swap)" in summary
+    assert "dequantize: skipped: no stage reads BF16" in summary
+    # every problem in full, and no derivation
+    for problem in problems:
+        assert _words(f"- {problem}") in _words(text)
+    assert len(lines) <= 12 + 2 * len(rows) + 1 + sum(len(p) // 60 + 1 for p in problems) + 3
+    assert "expert FLOP floor" not in text and "each mode on this host" not in text and "fitted on" not in text
+    assert "does not fit (see above)" in _words(text) and "ktflow plan --explain" in text
+
+
+def test_plan_explain_prints_how_each_figure_was_derived(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_recipe(load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"store.root={tmp_path}"]), _host())
+    stages = {s.stage: s for s in plan.stages}
+    code, text = _plan_cli(tmp_path, capsys, monkeypatch, "--explain")
+    assert code == 2
+    words = _words(text)
+    assert "how each figure was derived:" in text
+    for stage in ("download", "sft", "serve"):
+        assert _words(f"{stage} time: {stages[stage].time_basis}") in words
+    assert "expert FLOP floor" in words and "KT probe" in words and "batch shape 1 x 64" in words
+    assert _words(f"evaluate: {stages['evaluate'].candidate}") in words
+    assert _words("evaluate: each mode on this host: " + "; ".join(stages["evaluate"].candidate_prices)) in words
+    for problem in (p for s in plan.stages for p in s.problems):
+        assert _words(problem) in words
+
+
+def test_plan_json_is_the_plan_model_without_the_one_line_summaries(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, text = _plan_cli(tmp_path, capsys, monkeypatch, "--json")
+    document = json.loads(text)
+    assert code == 2 and document["fits"] is False
+    assert set(document) == {"recipe", "host", "model_source", "model", "stages", "fits", "seconds"}
+    assert all(set(stage) == STAGE_JSON_KEYS for stage in document["stages"])
+
+
 # --------------------------------------------------------------------------- sft.backend: auto
 
 
@@ -285,6 +372,7 @@ def test_the_plan_shows_what_auto_chose() -> None:
     sft = next(s for s in plan_recipe(recipe, _h100(), size=_v2_lite(), model_source="test").stages
                if s.stage == "sft")
     assert sft.time_basis.startswith("auto -> hf: the model fits the GPUs") and sft.fits
+    assert sft.summary.startswith("auto chose HF, ") and " a step (" in sft.summary
 
 
 # --------------------------------------------------------------------------- the check on the H100 host
@@ -418,6 +506,8 @@ def test_plan_has_a_serving_line_with_decode_for_sglang_recipes() -> None:
     serve = next(s for s in plan_recipe(recipe, host).stages if s.stage == "serve")
     assert serve.decode_tokens_per_s is not None and 0 < serve.decode_tokens_per_s < 10
     assert serve.time_basis.startswith("decode at concurrency 1:") and "(RAWINT4)" in serve.time_basis
+    assert serve.summary == f"lora mode (set by serving.mode); ~{serve.decode_tokens_per_s:.1f} tokens/s decode at " \
+        "concurrency 1"
 
 
 def test_sft_on_a_dequantized_copy_is_sized_as_its_bf16_not_as_the_source_is_stored() -> None:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from ktflow.cli._common import (
@@ -101,30 +102,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _print_json({**plan.model_dump(mode="json", exclude={"model": {"linear_shapes"}}), "fits": plan.fits,
                      "seconds": plan.seconds})
         return 0 if plan.fits else 2
-    out.print(f"plan: {recipe.name} on {host.hostname}; model size from {plan.model_source}")
+    source = plan.model_source
+    out.print(f"plan: {recipe.name} on {host.hostname}; model size "
+              + (source if source.startswith("unknown") else f"from {source}"))
     table = Table()
-    for column in ("stage", "disk", "RAM", "GPU memory", "GPUs", "time", "fits"):
-        table.add_column(column)
-    notes = []
+    for column in ("stage", "runs", "time", "disk", "RAM", "GPU memory", "fits"):
+        table.add_column(column, no_wrap=True)
     for s in plan.stages:
         if not s.needed:
-            table.add_row(s.stage, "", "", "", "", "", "skipped")
+            table.add_row(s.stage, "skipped", "", "", "", "", "")
             continue
-        table.add_row(s.stage, human_bytes(s.disk_bytes) if s.disk_bytes else "-",
+        gpu = human_bytes(s.gpu_bytes) if s.gpu_bytes else "-"
+        table.add_row(s.stage, "yes", _duration(s.seconds) if s.seconds is not None else "?",
+                      human_bytes(s.disk_bytes) if s.disk_bytes else "-",
                       human_bytes(s.ram_bytes) if s.ram_bytes else "-",
-                      human_bytes(s.gpu_bytes) if s.gpu_bytes else "-", str(s.gpus or "-"),
-                      _duration(s.seconds) if s.seconds is not None else "?",
+                      f"{s.gpus} x {gpu}" if s.gpus and s.gpu_bytes else gpu,
                       "[green]yes[/]" if s.fits else "[red]no[/]")
-        notes += [f"[red]{s.stage}: {p}[/]" for p in s.problems]
-        if s.time_basis:
-            notes.append(f"{s.stage} time: {s.time_basis}")
-        if s.candidate:
-            notes.append(f"{s.stage}: {s.candidate}")
-        if s.candidate_prices:
-            notes.append(f"{s.stage}: each mode on this host: " + "; ".join(s.candidate_prices))
     out.print(table)
-    for note in notes:
-        out.print(note)
+    for s in plan.stages:  # one line a stage: the essentials of how it runs here
+        out.print(escape(f"{s.stage}: " + (s.summary or s.reason if s.needed else f"skipped: {s.reason}")))
+    problems = [p if p.startswith(s.stage) else f"{s.stage}: {p}" for s in plan.stages if s.needed for p in s.problems]
+    if problems:
+        out.print("[red]what does not fit this host:[/]")
+    for problem in problems:  # in full, never shortened
+        out.print(f"[red]- {escape(problem)}[/]")
+    if problems and not args.host:
+        out.print("to plan for the machine that will run it: `ktflow doctor --json > host.json` there, then "
+                  "`ktflow plan RECIPE --host host.json`")
+    if args.explain:
+        out.print("how each figure was derived:")
+        for s in plan.stages:
+            if not s.needed:
+                continue
+            if s.time_basis:
+                out.print(escape(f"{s.stage} time: {s.time_basis}"))
+            if s.candidate:
+                out.print(escape(f"{s.stage}: {s.candidate}"))
+            if s.candidate_prices:
+                out.print(escape(f"{s.stage}: each mode on this host: " + "; ".join(s.candidate_prices)))
     if recipe.store.artifacts:
         out.print("each host keeps its own store (store.artifacts: the adapter crosses through "
                   f"{recipe.store.artifacts}); disk by host: " + ", ".join(
@@ -132,16 +147,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   " (download and dequantize run on both)")
     total = plan.seconds
     out.print(f"predicted time: {_duration(total) if total is not None else 'unknown (a stage has no prediction)'}; "
-              f"{'every stage fits' if plan.fits else 'does not fit this host (see why)'}")
+              + ("every stage fits" if plan.fits else "does not fit (see above)"))
+    if not args.explain:
+        out.print("how each figure was derived: ktflow plan --explain")
     return 0 if plan.fits else 2
 
 
 def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+    from ktflow.plan import brief_duration
+
+    return brief_duration(seconds)
 
 
 _API_GUARDIAN: Any = None
@@ -293,6 +308,9 @@ def add_planning_commands(add: _Add) -> None:
     p.add_argument("--no-probe", action="store_true",
                    help="do not time kt-kernel's SFT kernels on this host before predicting KT (up to ~30 s, "
                         "kept per machine in the store)")
+    p.add_argument("--explain", action="store_true",
+                   help="also print how each figure was derived: the step and decode models and what they were "
+                        "fitted on, the batch shapes weighed, the KT probe, and every candidate mode priced")
 
 
 def add_run_commands(add: _Add) -> None:
