@@ -26,6 +26,7 @@ What it does:
        expert_bytes ~ 3 * moe_intermediate * hidden * bytes_per_weight, exactly, per matrix of R rows x K inputs:
            RAWINT4          R * (K/2 + 2 * ceil(K/32))   INT4 nibbles + one BF16 scale per group of 32 (0.5 + 2/32)
            AMXINT8          R * (K + 4)                  one byte a weight + one fp32 scale per output row
+           AMXINT4          R * (K/2 + 4)                two weights a byte + one fp32 scale per output row
            BF16 / AMXBF16   R * K * 2
        floor_s_per_token  = active_bytes / (read_gb_s * 1e9)
        floor_tokens_per_s = 1 / floor_s_per_token
@@ -91,7 +92,7 @@ from _common import host_info  # noqa: E402  (stdlib + psutil only)
 PACKAGES = ("openai", "httpx", "psutil", "torch", "sglang", "sglang-kt", "kt-kernel", "ktflow")
 DEFAULT_LEVELS = (1, 4, 16)
 SAMPLE_INTERVAL_S = 0.2
-KT_METHODS = ("RAWINT4", "AMXINT8", "BF16", "AMXBF16")
+KT_METHODS = ("RAWINT4", "AMXINT8", "AMXINT4", "BF16", "AMXBF16")
 
 # --------------------------------------------------------------------------- prompts
 
@@ -219,6 +220,8 @@ def matrix_bytes(rows: int, inputs: int, kt_method: str) -> int:
         return rows * (math.ceil(inputs / 2) + 2 * math.ceil(inputs / 32))
     if method == "AMXINT8":  # one byte a weight, one fp32 scale per output row
         return rows * (inputs + 4)
+    if method == "AMXINT4":  # two weights a byte, one fp32 scale per output row (no groups)
+        return rows * (math.ceil(inputs / 2) + 4)
     if method in ("BF16", "AMXBF16"):
         return rows * inputs * 2
     raise ValueError(f"unknown kt method {kt_method!r}; known: {', '.join(KT_METHODS)}")

@@ -17,6 +17,13 @@
 #                                       plan, calibrated from the slice runs) slice-convert-N slice-serve-prep-N
 #                                       slice-serve-N (RAWINT4, concurrency 1 and 8) slice-clean-N (its model removed)
 #                                       pack-slice (build/gpu-host/slice results into $RESULTS_OUT/slice-results.tar.gz)
+#                                merged serving at Kimi-K2.5's geometry (gpu_host/merged_serving.py; results in
+#                                       build/gpu-host/merged/results): merged-fixture (MOE_LAYERS=N, else the depth
+#                                       the disk allows) merged-adapter (RANDOM_ADAPTER=1: random LoRA, no training)
+#                                       merged-merge (METHOD=M, default RAWINT4) merged-levers-GROUP (engine gpu threads
+#                                       methods combo) merged-load (ONLY=lora,merged,base) merged-check-NAME (bf16,
+#                                       rawint4: served = trained for each merged format) merged-report merged-clean
+#                                       pack-merged (the results into $RESULTS_OUT/merged-results.tar.gz)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
 #                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
@@ -290,6 +297,13 @@ kslice() {  # kslice PHASE N [ARGS...]: gpu_host/kimi_slice.py PHASE --moe-layer
   return "$rc"
 }
 
+merged() {  # merged PHASE [ARGS...]: gpu_host/merged_serving.py (its servers in the serving toolchain)
+  local t=$(date +%s) rc=0
+  "$PY" gpu_host/merged_serving.py "$@" --serve-python "$SERVE_PY" || rc=$?
+  stamp "merged $*" "$t" "$rc"
+  return "$rc"
+}
+
 steps=("$@")
 [ "${steps[0]:-}" = all ] && steps=(setup bf16 convert-bf16 losscheck-bf16 rawint4 convert-rawint4 losscheck-rawint4
                                      killresume-bf16 convert-bf16-resumed losscheck-bf16-resumed collect)
@@ -320,6 +334,16 @@ for s in "${steps[@]}"; do
     slice-clean-*) kslice clean "${s#slice-clean-}" ;;
     pack-slice) tar czf "${RESULTS_OUT:-$RES}/slice-results.tar.gz" -C "$B/slice" --exclude='*/model' --exclude=store \
                   --exclude='*/converted' --exclude=data/chat.jsonl . && ls -la "${RESULTS_OUT:-$RES}/slice-results.tar.gz" ;;
+    merged-fixture) merged fixture ${MOE_LAYERS:+--moe-layers "$MOE_LAYERS"} || status=1 ;;
+    merged-adapter) merged adapter ${RANDOM_ADAPTER:+--random} || status=1 ;;
+    merged-merge) merged merge ${METHOD:+--method "$METHOD"} || status=1 ;;
+    merged-levers-*) serve_env; merged levers --group "${s#merged-levers-}" || status=1 ;;
+    merged-load) serve_env; merged load ${ONLY:+--only "$ONLY"} || status=1 ;;
+    merged-check-*) serve_env; merged check --name "${s#merged-check-}" || status=1 ;;
+    merged-report) merged report || status=1 ;;
+    merged-clean) merged clean ;;
+    pack-merged) tar czf "${RESULTS_OUT:-$RES}/merged-results.tar.gz" -C "$B/merged" results \
+                   && ls -la "${RESULTS_OUT:-$RES}/merged-results.tar.gz" ;;
     serve-setup) step_serve_setup || status=1 ;;
     serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
     promotion-*) step_promotion "${s#promotion-}" || status=1 ;;

@@ -1,0 +1,864 @@
+#!/usr/bin/env python3
+"""Merged serving measured on the GPU host: the LoRA path, the merged model and the base model side by side at
+Kimi-K2.5's true geometry, the engine's levers one at a time, and served = trained for each merged format.
+
+The model is kimi_slice.py's (``ktflow fixture kimi-k2.5 --size slice``: Kimi-K2.5's first N+1 layers, 384 routed
+experts of [2048, 7168], vocabulary 163840), trained here by ``ktflow sft gpu_host/slice-kt-rawint4.yaml`` and
+converted by ``ktflow convert-lora`` (or, with ``adapter --random``, a converted adapter of random non-zero LoRA on
+the attention and every expert, published as ``converted-random``). Servers go through ktflow's serve stage
+(``serving.mode: lora`` for the LoRA path, ``merged`` for the merge stage's output, no adapter for the base) with
+gpu_host/slice-sglang-rawint4.yaml's serving section; each server's results come with the host's read bandwidth
+measured just before it (the decode floor, benchmarks/serve_load.py). Each phase is a ``gpu_host/run.sh merged-*``
+step, stops every server it started (and checks none is left), writes build/gpu-host/merged/results/*.json (every
+earlier run in ``history/``) and stays under 540 s: a phase that runs out of time stops, says what it left, and
+the same step run again goes on from there.
+
+    PY=build/gpu-host/bundle/bin/python          # after `run.sh setup` (and `serve-setup` for the serving phases)
+    $PY gpu_host/merged_serving.py fixture       # the model at the depth the disk allows (depth.json)   ~60-110 s
+    $PY gpu_host/merged_serving.py adapter       # ktflow sft (5 steps) + convert-lora + the records' tokens ~200-280 s
+    $PY gpu_host/merged_serving.py merge         # ktflow merge RAWINT4 into the store, timed               ~40-120 s
+    $PY gpu_host/merged_serving.py levers --group engine|gpu|threads|methods|combo   # item 3, 3-4 servers  ~400-530 s
+    $PY gpu_host/merged_serving.py load          # item 5: LoRA path, merged (chosen), base; c = 1, 4, 16  ~450-530 s
+    $PY gpu_host/merged_serving.py check --name bf16|rawint4   # item 4 on the tiny fixtures, 4 servers      ~250-330 s
+    $PY gpu_host/merged_serving.py report        # summary.json: the three tables
+
+Wall times (16-core H100 host; from benchmarks/data): the slice fixture wrote 35 GB (depth 3) in 61-79 s; its
+5-step SFT took 158-161 s at depth 3 on 16 and 32 threads (a MoE layer ~1/3 of it); sglang-kt at depth 3 with
+the KT LoRA was ready in 177 s on a fresh machine, 79 s of it the first request's kernel compilation, 44 s loading
+(~7 s a MoE layer of RAWINT4 experts + ~6 s of its expert LoRA), ~50 s imports and tokenizer: a warm start of a
+merged or base model is ~80 s at depth 1-2, ~100 s at depth 3, plus CUDA-graph capture (seconds; measured here:
+``ready_s``). The load at concurrency 1, 4, 16 with 128 tokens (4, 8 and 32 requests) took 46 s at depth 3 for
+concurrency 1 and 8 on the LoRA path (22.9 and 8.3 tokens/s a sequence): ~90 s for the three levels on the LoRA
+path, less merged. A lever run (concurrency 1, 3 requests of 256 tokens) is ~25 s. Merges: no merge is timed at
+this size yet; ktflow plan's merge_cost prices RAWINT4 at depth 2 at ~40 s on 16 cores and each AMX format at
+~45 s; ``merge`` measures it. The tiny servers of ``check`` were ready in 46-63 s warm (docs/results/serving.md).
+So: ``load`` = 3 x (~85 s ready + ~10 s served loss + ~60-90 s load + ~7 s stop) + 3 x ~5 s bandwidth;
+``levers`` = 3-4 x (~85-100 s + ~25 s); ``check`` = 4 x (~55 s + ~5 s) + merges of a few seconds.
+
+Disk: the fixture's vision part is a stand-in sglang-kt cannot build, so every served checkpoint gets a
+language-model view the size of the checkpoint (ktflow/stages/serve/sglang/inputs.py). The base is kept (the LoRA
+path, the base server and every merge read it): the merged server's start holds the base, the merge and its view,
+~3x the base (depth 1: 15.6 GB a copy, 2: 25.4, 3: 35.2). ``fixture`` picks the deepest of 3, 2, 1 that fits the
+free disk (64 GiB host: depth 1; 235 GiB host: depth 3); the serving phases remove other models' views and other
+merges (both made again in seconds to a minute) before a start that would not fit, never the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import big  # noqa: E402  (gpu_host/big.py: running and watching children, sft, convert)
+import kimi_slice  # noqa: E402  (gpu_host/kimi_slice.py: the slice's fixture, records and recipes)
+from big import BUILD, REPO, free_disk_gb, run_watched  # noqa: E402
+
+ROOT = BUILD / "merged"
+RESULTS = ROOT / "results"
+SERVE_PY = BUILD / "serve" / "bin" / "python"
+# The slice's size on disk (benchmarks/data/kimi-slice: depth 3 = 35.22 GB): a fixed part (embeddings, layer 0,
+# the vision stand-in) and one MoE layer of 384 INT4 experts.
+FIXED_GB, LAYER_GB = 5.82, 9.8
+MARGIN_GB = 4.0  # the adapter, its checkpoints' leftovers, sglang-kt's LoRA split in /tmp, logs
+DEPTHS = (3, 2, 1)
+# What every merged (and base) server of the slice is started with unless a lever says otherwise: the merged mode's
+# point (CUDA graphs on), room for concurrency 16, the slice recipe's other settings (graphs off is the LoRA path's).
+MERGED_SETS = ["serving.mode=merged", "serving.disable_cuda_graph=false", "serving.max_running_requests=16"]
+LORA_SETS = ["serving.mode=lora", "serving.max_running_requests=16"]
+LOAD_ARGS = "--concurrency 1,4,16 --max-tokens 128"  # item 5 (4, 8 and 32 requests)
+LEVER_ARGS = "--concurrency 1 --max-tokens 256 --requests-per-level 3"
+SERVED_LOSS_RECORDS = 16  # the slice's training records whose served loss each load server reports
+START_S = {1: 85.0, 2: 90.0, 3: 100.0}  # a warm server start by depth (docstring), for the phases' time budget
+LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwidth and stop
+# Kimi-K2.5 whole (recipes/kimi-k2.5-rawint4.yaml's size block): what a card would give the GPU experts.
+WHOLE_RECIPE = kimi_slice.WHOLE_RECIPE
+GPU_RESERVE_BYTES = 8 * 2**30  # activations, CUDA graphs, workspace beside the weights and the KV pool
+# The LoRA path's own figures (tiny fixtures; docs/results/serving.md): served loss and loss_check's reference.
+LORA_PATH_PUBLISHED = {"bf16": {"AMXBF16 (LoRA path)": (0.059865, 0.059443), "AMXINT8 (LoRA path)": (0.061720, 0.059443)},
+                       "rawint4": {"RAWINT4 (LoRA path)": (0.062874, 0.063235)}}
+EXACT_TOLERANCE = 0.0005  # |served - reference| the LoRA path met where the expert weights are exact
+# Item 4: the tiny fixtures' merged formats, each beside the LoRA path of the same adapter, on the same machine.
+CHECK_VARIANTS = {"bf16": [("lora", None), ("merged-BF16", "BF16"), ("merged-AMXINT8", "AMXINT8"),
+                           ("merged-AMXINT4", "AMXINT4")],
+                  "rawint4": [("lora", None), ("merged-RAWINT4", "RAWINT4"), ("merged-AMXINT4", "AMXINT4"),
+                              ("merged-BF16", "BF16")]}
+TINY_BASES = {"bf16": BUILD / "inputs" / "dsv3-bf16", "rawint4": BUILD / "inputs" / "kimi-k25-int4"}
+
+
+class MergedWork(kimi_slice.SliceWork):
+    """kimi_slice's work at one depth, with this harness's own folders: build/gpu-host/merged/{moeN,store,results}."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        depth = args.moe_layers or read_depth()
+        super().__init__(argparse.Namespace(moe_layers=depth or 1, python=args.python,
+                                            ktflow_python=args.ktflow_python, set=args.set, gpus=1, threads=None,
+                                            serve_python=args.serve_python))
+        self.depth_known = depth is not None
+        self.root = ROOT / f"moe{self.moe_layers}"
+        self.model, self.results = self.root / "model", RESULTS
+        self.sft_store = ROOT / "store"
+        self.converted = self.root / "converted"
+        self.tokens = self.root / "tokens.json"
+        self.args = args
+
+    def save(self, name: str, doc: dict[str, Any]) -> None:
+        super().save(name, {"moe_layers": self.moe_layers, **doc})
+
+    def adapter(self) -> Path:
+        """The converted adapter served: convert-lora's of the SFT run, else the random one."""
+        if (self.converted / "adapter_model.safetensors").is_file():
+            return self.converted
+        return self.root / "converted-random"
+
+    def endpoint(self, key: str) -> Path:
+        """One record directory per served checkpoint: its model view is made once and reused by every server."""
+        return self.root / "endpoints" / key
+
+
+def read_depth() -> int | None:
+    path = ROOT / "depth.json"
+    return json.loads(path.read_text())["moe_layers"] if path.is_file() else None
+
+
+def slice_gb(depth: int) -> float:
+    return FIXED_GB + LAYER_GB * depth
+
+
+def choose_depth(free_gb: float) -> int | None:
+    """The deepest slice whose merged server's start fits: the base, its RAWINT4 merge and that merge's view."""
+    return next((d for d in DEPTHS if 3 * slice_gb(d) + MARGIN_GB <= free_gb), None)
+
+
+# --------------------------------------------------------------------------- disk
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) if path.exists() else 0
+
+
+def make_room(work: MergedWork, need_bytes: int, keep: set[Path]) -> dict[str, Any]:
+    """Free ``need_bytes`` (plus the margin) by removing, in this order, the model views of other endpoints and
+    the store's other merges (both remade on demand); never the base, the adapter or anything in ``keep``."""
+    removed: list[str] = []
+    keep = {p.resolve() for p in keep}
+
+    def short() -> float:
+        return need_bytes / 1e9 + MARGIN_GB - free_disk_gb(work.root)
+
+    candidates = sorted(work.root.glob("endpoints/*/model-view-*")) + sorted((work.sft_store / "merged").glob("*"))
+    for path in candidates:
+        if short() <= 0:
+            break
+        if path.resolve() in keep or any(k in path.resolve().parents for k in keep) or not path.is_dir():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return {"need_gb": round(need_bytes / 1e9, 1), "free_gb": free_disk_gb(work.root), "removed": removed,
+            "fits": short() <= 0}
+
+
+def _view_bytes(model: Path, record_dir: Path) -> int:
+    """What starting a server of ``model`` from ``record_dir`` writes: its language-model view, unless made."""
+    if any(record_dir.glob("model-view-*")):
+        return 0
+    from ktflow.stages.serve.sglang.inputs import model_view_plan
+
+    plan = model_view_plan(model) if (model / "config.json").is_file() else None
+    return sum(p.stat().st_size for p in model.glob("*.safetensors")) if plan and plan.kind == "language-model" else 0
+
+
+# --------------------------------------------------------------------------- phases: fixture, adapter, merge
+
+
+def phase_fixture(work: MergedWork) -> int:
+    """The slice at the depth the disk allows (kept in depth.json for the later phases), and the records."""
+    if not work.depth_known:
+        free = free_disk_gb(ROOT)
+        depth = choose_depth(free)
+        if depth is None:
+            print(f"fixture: {free} GB free; even depth 1 needs {3 * slice_gb(1) + MARGIN_GB:.0f} GB")
+            return 1
+        work = MergedWork(argparse.Namespace(**{**vars(work.args), "moe_layers": depth}))
+    ROOT.mkdir(parents=True, exist_ok=True)
+    (ROOT / "depth.json").write_text(json.dumps({"moe_layers": work.moe_layers, "chosen_with_free_gb":
+                                                 free_disk_gb(ROOT)}))
+    return kimi_slice.phase_fixture(work)
+
+
+def phase_adapter(work: MergedWork) -> int:
+    """The converted adapter: ``ktflow sft`` of the slice recipe (big.phase_sft: ktflow plan's prediction, then
+    measured) and ``ktflow convert-lora`` (big.phase_convert), then the training records' tokens as training saw
+    them (loss_check.py tokens; the first 16 are the served-loss records). ``--random``: a converted adapter of
+    random non-zero LoRA instead, named so (no training; the served loss then compares servers, not training)."""
+    work.results.mkdir(parents=True, exist_ok=True)
+    if work.args.random:
+        started = time.perf_counter()
+        out = random_converted_adapter(work.model, work.root / "converted-random")
+        work.save("adapter", {"adapter": "random", "path": str(out), "seconds": round(time.perf_counter() - started, 1),
+                              "converted": big.converted_facts(out)})
+        return 0
+    if big.phase_sft(work) != 0:
+        return 1
+    if not (work.converted / "adapter_model.safetensors").is_file() and big.phase_convert(work) != 0:
+        return 1
+    run = work.published(work.sft_store).parent
+    done = subprocess.run([str(work.python), str(REPO / "gpu_host" / "loss_check.py"), "tokens", str(run),
+                           str(work.tokens)], env=work.env(), cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-2000:], done.stderr[-3000:])
+        return 1
+    rows = json.loads(work.tokens.read_text())
+    work.save("adapter", {"adapter": "trained", "path": str(work.converted), "run": str(run),
+                          "converted": big.converted_facts(work.converted), "token_records": len(rows)})
+    return 0
+
+
+def random_converted_adapter(model: Path, out: Path, *, seed: int = 0, rank: int = 8, alpha: int = 16,
+                             std: float = 0.02) -> Path:
+    """A converted (SGLang-format) adapter of ``model`` with random non-zero LoRA, as kt-kernel's converter lays it
+    out: the attention projections (PEFT keys, float32, under ``language_model.`` where the base nests its text
+    model) and every routed expert of every MoE layer (``model.layers.L.mlp.experts.E.{gate,up,down}_proj``,
+    BF16). Made from the headers and config alone."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ktflow.formats.checkpoint import read_weight_map, text_config
+    from ktflow.formats.safetensors_io import read_header
+
+    if (out / "adapter_model.safetensors").is_file():
+        return out
+    text = text_config(json.loads((model / "config.json").read_text()))
+    weight_map, _ = read_weight_map(model)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def pair(module: str, rows: int, cols: int, dtype: torch.dtype) -> None:
+        tensors[f"{module}.lora_A.weight"] = (torch.randn(rank, cols, generator=gen) * std).to(dtype)
+        tensors[f"{module}.lora_B.weight"] = (torch.randn(rows, rank, generator=gen) * std).to(dtype)
+
+    attention = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    for name in sorted(weight_map):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in attention and ".self_attn." in module:
+            rows, cols = read_header(model / weight_map[name]).tensors[name].shape
+            pair(module, rows, cols, torch.float32)
+    e, h, i = text["n_routed_experts"], text["hidden_size"], text["moe_intermediate_size"]
+    for layer in range(text["first_k_dense_replace"], text["num_hidden_layers"]):
+        for expert in range(e):
+            for proj, (rows, cols) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+                pair(f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj", rows, cols, torch.bfloat16)
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (staging / "adapter_config.json").write_text(json.dumps({
+        "base_model_name_or_path": str(model), "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+        "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": [*attention, "gate_proj", "up_proj", "down_proj"], "use_dora": False, "use_rslora": False,
+        "rank_pattern": {}, "alpha_pattern": {}, "ktflow_note": f"random LoRA (seed {seed}, std {std}), not trained"},
+        indent=2))
+    os.rename(staging, out)
+    return out
+
+
+def merge_dir(work: MergedWork, method: str, sets: list[str] | None = None) -> Path:
+    """Where the serve stage looks for (and the merge phase writes) the merge of the adapter as ``method``."""
+    from ktflow.recipe import load_recipe
+    from ktflow.stages.merge import merge_target
+
+    recipe = load_recipe(work.serve_recipe, slice_sets(work, [*MERGED_SETS, f"serving.kt_method={method}", *(sets or [])]))
+    return merge_target(recipe.store.layout, work.model, work.adapter(), method,
+                        recipe.serving.kt_threadpool_count).absolute()
+
+
+def timed_merge(work: MergedWork, method: str, sets: list[str] | None = None, limit_s: float = big.PHASE_LIMIT_S,
+                ) -> dict[str, Any]:
+    """``ktflow merge`` of the adapter as ``method`` into the store (where the serve stage finds it), timed from
+    outside (wall, peak RSS), after making room for it; a merge already there is reused."""
+    from ktflow.planning.merge_cost import merge_estimate
+    from ktflow.planning.sizing import model_size
+    from ktflow.store import read_manifest
+
+    out = merge_dir(work, method, sets)
+    t = next((int(s.split("=", 1)[1]) for s in sets or [] if s.startswith("serving.kt_threadpool_count=")), 1)
+    cores = os.cpu_count() or 1
+    doc: dict[str, Any] = {"method": method, "out": str(out)}
+    if read_manifest(out) is not None:
+        doc["made"] = "reused (already in the store)"
+        return doc
+    estimate = merge_estimate(model_size(work.model), method, cores, t)
+    doc["estimate"] = {"seconds": round(estimate.seconds, 3), "disk_gb": round(estimate.disk_bytes / 1e9, 3),
+                       "basis": estimate.basis}
+    doc["room"] = make_room(work, estimate.disk_bytes, keep={work.model, work.adapter()})
+    if not doc["room"]["fits"]:
+        doc["made"] = "skipped: not enough disk"
+        return doc
+    argv = work.ktflow("merge", str(work.model), str(work.adapter()), str(out), "--method", method,
+                       "--threadpool-count", str(t), "--serve-python", str(work.serve_python))
+    if method in ("AMXINT8", "AMXINT4"):
+        argv += ["--workers", str(os.cpu_count() or 1)]
+    ran = run_watched(argv, env=work.env(), log=work.results / f"merge-{method}.log", limit_s=limit_s)
+    doc["made"] = {k: ran[k] for k in ("rc", "outcome", "wall_s", "peak_host_rss_gib", "error_line")}
+    doc["bytes_on_disk"] = _tree_bytes(out)
+    doc["free_disk_gb_after"] = free_disk_gb(work.root)
+    if ran["rc"] != 0:
+        doc["made"]["log_tail"] = ran["log_tail"]
+    return doc
+
+
+def phase_merge(work: MergedWork) -> int:
+    """The merge the merged server reads (RAWINT4, or ``--method``), timed, before any server needs it."""
+    doc = timed_merge(work, work.args.method)
+    work.save(f"merge-{work.args.method}", doc)
+    made = doc["made"]
+    return 0 if isinstance(made, str) and made.startswith("reused") or isinstance(made, dict) and made["rc"] == 0 else 1
+
+
+# --------------------------------------------------------------------------- one server, measured (serving python)
+
+
+def kt_method_of(sets: list[str], default: str = "RAWINT4") -> str:
+    """The last ``serving.kt_method=`` of ``sets``, else the slice recipe's (RAWINT4)."""
+    return next((s.split("=", 1)[1] for s in reversed(sets) if s.startswith("serving.kt_method=")), default)
+
+
+def slice_sets(work: MergedWork, extra: list[str]) -> list[str]:
+    """The serving recipe's overrides: the sft run's (same run key), the serving toolchain, then ``extra``."""
+    return [*work.sets(work.sft_store), f"toolchains.serve.python={work.serve_python}", *extra]
+
+
+def serve_and_measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the serving toolchain: the read bandwidth, then one server through ktflow's serve stage (``spec``: recipe,
+    sets, model_dir, adapter_dir or None, kt_weight_dir, mode, record_dir), the served loss over ``tokens`` (if
+    given), benchmarks/serve_load.py with ``load_args`` (if given, against the floor of that bandwidth), then
+    stop it and look for anything left. Returns (and writes to ``out``) what was seen."""
+    import serve_check  # gpu_host/serve_check.py: the served loss, the load benchmark, leftovers, GPU memory
+
+    from ktflow.stages.merge import served_paths
+    from ktflow.stages.serve import serve, stop
+    from ktflow.stages.serve.sglang.inputs import sglang_model_view
+
+    out = Path(spec["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recipe, key = serve_check._load_recipe_with_key(Path(spec["recipe"]), spec["sets"])
+    serving = recipe.serving
+    doc: dict[str, Any] = {"label": spec["label"], "sets": spec["sets"], "mode": spec["mode"],
+                           "adapter": spec["adapter_dir"], "kt_method": serving.kt_method,
+                           "serving": serving.model_dump(mode="json", exclude={"extra_args"}),
+                           "gpu_used_mib_before": serve_check._gpu_used_mib()}
+
+    def write() -> None:
+        out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    record_dir = Path(spec["record_dir"])
+    if spec.get("load_args"):
+        doc["read_bandwidth"] = serve_check._serve_load().bandwidth_record(spec.get("bandwidth_gib", 4.0))
+    pids: set[int] = set()
+    started = time.perf_counter()
+    try:
+        adapter = Path(spec["adapter_dir"]) if spec["adapter_dir"] else None
+        endpoint = serve(recipe, model_dir=Path(spec["model_dir"]), adapter_dir=adapter, record_dir=record_dir,
+                         kt_weight_dir=Path(spec["kt_weight_dir"]), mode=spec["mode"], die_with_parent=True,
+                         log=lambda line: print(line, flush=True))
+        pids.add(endpoint.pid)
+        doc["ready_s"] = round(time.perf_counter() - started, 1)
+        doc["gpu_used_mib_ready"] = serve_check._gpu_used_mib()
+        doc["endpoint"] = {"url": endpoint.url, "pid": endpoint.pid, "model": endpoint.model,
+                           "merged_dir": endpoint.merged_dir}
+        try:
+            import psutil
+            pids |= {c.pid for c in psutil.Process(endpoint.pid).children(recursive=True)}
+        except Exception:  # noqa: BLE001
+            pass
+        served = served_paths(endpoint.merged_dir, serving.kt_method)[0] if endpoint.merged_dir else Path(spec["model_dir"])
+        view = sglang_model_view(served, record_dir, create=False)
+        doc["served_model_dir"] = str(view)
+        doc["argv"] = _server_argv(endpoint.pid)
+        write()
+        root = endpoint.url.removesuffix("/v1")
+        if spec.get("tokens"):
+            lora = serving.adapter_name if endpoint.adapter_model_name else None
+            doc["served_loss"] = serve_check._served_loss(root, key, lora, Path(spec["tokens"]))
+            write()
+        if spec.get("load_args"):
+            load = SimpleNamespace(load_json=str(out.with_name(out.stem + "-load.json")), load_args=spec["load_args"])
+            doc["load"] = serve_check._load_benchmark(load, recipe, endpoint, key, view if view.is_dir() else served,
+                                                      doc["read_bandwidth"]["read_gb_s"])
+            bench = json.loads(Path(load.load_json).read_text())
+            doc["levels"] = [{k: lv.get(k) for k in (
+                "concurrency", "requests", "errors", "wall_s", "ttft_s", "prefill_tokens_per_s_median",
+                "decode_tokens_per_s_median", "output_tokens_per_s", "peak_gpu_mem_used_mib", "peak_server_rss_bytes")}
+                for lv in bench.get("levels", [])]
+            doc["floor"], doc["decode_vs_floor"] = bench.get("floor"), bench.get("decode_vs_floor")
+        doc["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - recorded, then the server is stopped
+        doc["ok"] = False
+        doc["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+    finally:
+        t = time.perf_counter()
+        doc["stopped"] = stop(record_dir)
+        doc["stop_s"] = round(time.perf_counter() - t, 1)
+        time.sleep(1)
+        doc["leftover_processes"] = serve_check._leftovers(pids)
+        doc["gpu_used_mib_after"] = serve_check._gpu_used_mib()
+        doc["server_log_tail"] = serve_check._tail(record_dir / "server.log", 40).splitlines()
+        write()
+    return doc
+
+
+def _server_argv(pid: int) -> list[str] | None:
+    """The server's launch_server arguments, from its process (the interpreter and the launcher left out)."""
+    import psutil
+
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return None
+    return cmdline[cmdline.index("--model-path"):] if "--model-path" in cmdline else cmdline
+
+
+def run_server(work: MergedWork, spec: dict[str, Any], limit_s: float) -> dict[str, Any]:
+    """:func:`serve_and_measure` in the serving toolchain, watched (killed past ``limit_s``; the server dies with it),
+    then the endpoint stopped again whatever happened."""
+    from ktflow.stages.serve import stop
+
+    argv = [str(work.serve_python), __file__, "_serve", json.dumps(spec)]
+    env = {**work.env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "gpu_host"), str(REPO / "benchmarks"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    ran = run_watched(argv, env=env, log=Path(spec["out"]).with_suffix(".log"), limit_s=limit_s)
+    stop(Path(spec["record_dir"]))
+    out = Path(spec["out"])
+    doc = json.loads(out.read_text()) if out.is_file() else {"ok": False}
+    doc["child"] = {k: ran[k] for k in ("rc", "outcome", "wall_s")}
+    if ran["rc"] != 0 or not doc.get("ok"):
+        doc["child"]["log_tail"] = ran["log_tail"]
+    return doc
+
+
+# --------------------------------------------------------------------------- what each server serves
+
+
+def server_spec(work: MergedWork, what: str, label: str, extra: list[str], *, tokens: Path | None = None,
+                load_args: str | None = None) -> dict[str, Any]:
+    """``what``: ``lora`` (the LoRA path as the slice's serving recipe has it), ``merged`` (the merge stage's output
+    with MERGED_SETS + ``extra``), ``base`` (no adapter, the same settings as merged)."""
+    if what == "lora":
+        sets, adapter, record = LORA_SETS + extra, work.adapter(), work.endpoint("base")
+    elif what == "merged":
+        method = kt_method_of(extra)
+        sets, adapter, record = MERGED_SETS + extra, work.adapter(), work.endpoint(f"merged-{method}")
+    else:
+        sets, adapter, record = MERGED_SETS + extra, None, work.endpoint("base")
+    return {"label": label, "recipe": str(work.serve_recipe), "sets": slice_sets(work, sets),
+            "model_dir": str(work.model), "kt_weight_dir": str(work.model), "adapter_dir": str(adapter) if adapter else None,
+            "mode": "merged" if what == "merged" else "lora", "record_dir": str(record),
+            "out": str(work.results / "servers" / f"{label}.json"), "tokens": str(tokens) if tokens else None,
+            "load_args": load_args, "bandwidth_gib": work.args.bandwidth_gib}
+
+
+def room_for(work: MergedWork, spec: dict[str, Any]) -> dict[str, Any]:
+    """Disk for the view this server's start writes (the merge is made beforehand by timed_merge)."""
+    record = Path(spec["record_dir"])
+    if spec["mode"] == "merged":
+        method = kt_method_of(spec["sets"])
+        from ktflow.stages.merge import served_paths
+
+        model = served_paths(merge_dir(work, method, spec["sets"]), method)[0]
+    else:
+        model = Path(spec["model_dir"])
+    keep = {work.model, work.adapter(), record}
+    if spec["mode"] == "merged":
+        keep.add(model)
+    return make_room(work, _view_bytes(model, record), keep)
+
+
+def served_tokens(work: MergedWork) -> Path | None:
+    """The first SERVED_LOSS_RECORDS training records' tokens (the adapter phase's), or None (random adapter)."""
+    if not work.tokens.is_file():
+        return None
+    out = work.tokens.with_name(f"tokens-{SERVED_LOSS_RECORDS}.json")
+    if not out.is_file():
+        out.write_text(json.dumps(json.loads(work.tokens.read_text())[:SERVED_LOSS_RECORDS]))
+    return out
+
+
+# --------------------------------------------------------------------------- item 3: the levers
+
+
+def gpu_expert_share(free_bytes: int, *, method: str = "RAWINT4", context_tokens: int = 16 * 1024) -> dict[str, Any]:
+    """The routed experts per MoE layer the WHOLE Kimi-K2.5 would get on a card with ``free_bytes``: what is left
+    after its non-expert weights (BF16), a KV pool for ``context_tokens`` and GPU_RESERVE_BYTES, over its 60 MoE
+    layers of one expert's stored size (INT4 group 32 as the source stores it; AMX formats hold no GPU experts)."""
+    from ktflow.recipe import load_recipe
+
+    size = load_recipe(WHOLE_RECIPE).source.size
+    expert_bytes = size.expert_stored_bytes / (size.moe_layers * size.routed_experts)
+    non_expert = size.stored_bytes - size.expert_stored_bytes
+    kv = size.kv_bytes_per_token * context_tokens
+    left = free_bytes - non_expert - kv - GPU_RESERVE_BYTES
+    per_layer = max(0, min(size.routed_experts, int(left // (size.moe_layers * expert_bytes))))
+    return {"experts_per_layer": per_layer, "of": size.routed_experts, "free_gib": round(free_bytes / 2**30, 1),
+            "non_expert_gib": round(non_expert / 2**30, 1), "kv_gib": round(kv / 2**30, 2),
+            "reserve_gib": GPU_RESERVE_BYTES / 2**30, "expert_mib": round(expert_bytes / 2**20, 1),
+            "moe_layers": size.moe_layers, "method": method}
+
+
+def _gpu_free_bytes() -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+                          capture_output=True, text=True)
+    return int(done.stdout.split()[0]) << 20 if done.returncode == 0 and done.stdout.strip() else None
+
+
+def lever_groups(work: MergedWork, share: int, cores: int) -> dict[str, list[tuple[str, list[str]]]]:
+    """Each group: its own baseline (MERGED_SETS, RAWINT4) then one lever each, short runs (LEVER_ARGS)."""
+    base = [("baseline", [])]
+    return {
+        "engine": base + [("cuda-graphs-off", ["serving.disable_cuda_graph=true"]),
+                          ("deferral-1", ["serving.kt_max_deferred_experts_per_token=1"]),
+                          ("deferral-2", ["serving.kt_max_deferred_experts_per_token=2"])],
+        "gpu": base + [(f"gpu-experts-{share}", [f"serving.kt_num_gpu_experts={share}"]),
+                       (f"gpu-experts-{share}-dynamic", [f"serving.kt_num_gpu_experts={share}",
+                                                         "serving.kt_enable_dynamic_expert_update=true"]),
+                       ("chunked-prefill-4096", ["serving.chunked_prefill_size=4096"])],
+        "threads": base + [(f"cpuinfer-{max(cores - 2, 1)}", [f"serving.kt_cpuinfer={max(cores - 2, 1)}"]),
+                           (f"cpuinfer-{max(cores // 2, 1)}", [f"serving.kt_cpuinfer={max(cores // 2, 1)}"]),
+                           ("threadpools-2", ["serving.kt_threadpool_count=2"])],
+        "methods": base + [("AMXINT4", ["serving.kt_method=AMXINT4"]), ("AMXINT8", ["serving.kt_method=AMXINT8"])],
+    }
+
+
+def _decode(doc: dict[str, Any]) -> float | None:
+    one = next((lv for lv in doc.get("levels") or [] if lv["concurrency"] == 1), None)
+    return one["decode_tokens_per_s_median"] if one and not one["errors"] else None
+
+
+def combo_sets(levers: dict[str, Any], gain: float = 1.03) -> list[str]:
+    """Every lever that beat its own group's baseline by ``gain`` or more at concurrency 1, together."""
+    sets: list[str] = []
+    for group, runs in levers.items():
+        if group == "combo":
+            continue
+        base = _decode(runs.get("baseline", {}))
+        for name, doc in runs.items():
+            rate = _decode(doc)
+            if name != "baseline" and base and rate and rate >= gain * base:
+                sets += [s for s in doc["lever_sets"] if s not in sets]
+    return sets
+
+
+def chosen_settings(levers: dict[str, Any]) -> dict[str, Any]:
+    """The fastest correct configuration measured: the run with the highest concurrency-1 decode relative to its
+    own group's baseline (the combination when measured and best)."""
+    best = {"name": "baseline", "sets": [], "vs_baseline": 1.0}
+    for group, runs in levers.items():
+        base = _decode(runs.get("baseline", {}))
+        for name, doc in runs.items():
+            rate = _decode(doc)
+            if base and rate and rate / base > best["vs_baseline"]:
+                best = {"name": f"{group}/{name}", "sets": doc["lever_sets"], "vs_baseline": round(rate / base, 3)}
+    return best
+
+
+def phase_levers(work: MergedWork) -> int:
+    """Item 3: for the merged model, each lever of ``--group`` alone against that group's baseline (concurrency 1,
+    3 requests of 256 tokens), into results/levers.json; levers measured before are skipped (``--again``: not), so
+    a group cut short by the phase's time goes on when its step runs again. Writes levers-chosen.json."""
+    started = time.perf_counter()
+    path = work.results / "levers.json"
+    levers: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    free = _gpu_free_bytes()
+    share = gpu_expert_share(free if free is not None else 80 * 2**30)
+    cores = _physical_cores()
+    groups = lever_groups(work, share["experts_per_layer"], cores)
+    group = work.args.group
+    runs = [("baseline", []), ("combined", combo_sets(levers))] if group == "combo" else groups[group]
+    done = levers.setdefault(group, {})
+    notes: dict[str, Any] = {"gpu_expert_share": share, "physical_cores": cores, "skipped": []}
+    budget = START_S.get(work.moe_layers, 100.0) + LEVER_S
+    status = 0
+    for name, sets in runs:
+        if name in done and done[name].get("ok") and not work.args.again:
+            continue
+        method = kt_method_of(sets)
+        left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
+        merged = merge_dir(work, method, sets)
+        from ktflow.store import read_manifest
+
+        need = budget + (0 if read_manifest(merged) else 90.0)
+        if left < need:
+            notes["skipped"].append({"lever": name, "why": f"{left:.0f} s left of the phase, ~{need:.0f} s needed: "
+                                                          "run the step again"})
+            continue
+        merge = timed_merge(work, method, sets, limit_s=left - budget)
+        spec = server_spec(work, "merged", f"lever-{group}-{name}", sets, load_args=LEVER_ARGS,
+                           tokens=served_tokens(work) if group == "methods" else None)
+        room = room_for(work, spec)
+        if not room["fits"]:
+            done[name] = {"ok": False, "lever_sets": sets, "error": "not enough disk", "room": room, "merge": merge}
+            status = 1
+            continue
+        doc = run_server(work, spec, limit_s=big.PHASE_LIMIT_S - (time.perf_counter() - started))
+        doc.update(lever_sets=sets, merge=merge, room=room)
+        done[name] = doc
+        status |= 0 if doc.get("ok") and not doc.get("leftover_processes") else 1
+        path.write_text(json.dumps(levers, indent=1, default=str))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(levers, indent=1, default=str))
+    chosen = chosen_settings(levers)
+    (work.results / "levers-chosen.json").write_text(json.dumps(chosen, indent=1))
+    base = _decode(done.get("baseline", {}))
+    work.save(f"levers-{group}", {**notes, "chosen_so_far": chosen, "runs": {
+        n: {"decode_c1": _decode(d), "vs_baseline": round(_decode(d) / base, 3) if base and _decode(d) else None,
+            "ttft_p50_s": (next(iter(d.get("levels") or []), {}).get("ttft_s") or {}).get("p50"),
+            "ready_s": d.get("ready_s"), "ok": d.get("ok"), "error": d.get("error")} for n, d in done.items()}})
+    return status
+
+
+def _physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- item 5: side by side
+
+
+def phase_load(work: MergedWork) -> int:
+    """Item 5: the LoRA path as today, the merged model with the chosen settings (levers-chosen.json, else
+    MERGED_SETS), the base model with the same settings: each served, its served loss over the first training
+    records, then serve_load at concurrency 1, 4 and 16 (128 tokens, ignore_eos) against the floor of the bandwidth
+    measured just before it. ``--only`` runs one of them (a step cut short goes on with those not measured)."""
+    started = time.perf_counter()
+    chosen_path = work.results / "levers-chosen.json"
+    chosen = json.loads(chosen_path.read_text()) if chosen_path.is_file() else {"name": "default", "sets": []}
+    path = work.results / "load.json"
+    doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    doc["chosen"] = chosen
+    tokens = served_tokens(work)
+    status = 0
+    for what in work.args.only.split(","):
+        if doc.get(what, {}).get("ok") and not work.args.again:
+            continue
+        extra = [] if what == "lora" else list(chosen["sets"])
+        method = kt_method_of(extra)
+        left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
+        need = START_S.get(work.moe_layers, 100.0) + LOAD_S
+        if left < need:
+            doc.setdefault("skipped", []).append({"what": what, "why": f"{left:.0f} s left, ~{need:.0f} s needed"})
+            continue
+        merge = timed_merge(work, method, extra, limit_s=left - need) if what == "merged" else None
+        spec = server_spec(work, what, f"load-{what}", extra, tokens=tokens, load_args=LOAD_ARGS)
+        room = room_for(work, spec)
+        if not room["fits"]:
+            doc[what] = {"ok": False, "error": "not enough disk", "room": room}
+            status = 1
+            continue
+        got = run_server(work, spec, limit_s=big.PHASE_LIMIT_S - (time.perf_counter() - started))
+        got.update(merge=merge, room=room)
+        doc[what] = got
+        status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    work.save("load-summary", load_table(doc))
+    return status
+
+
+def load_table(doc: dict[str, Any]) -> dict[str, Any]:
+    """Item 5's figures: per server and level, decode tokens/s and TTFT, the floor, and the targets' ratios."""
+    rows: dict[str, Any] = {}
+    for what in ("lora", "merged", "base"):
+        got = doc.get(what) or {}
+        rows[what] = {"ok": got.get("ok"), "ready_s": got.get("ready_s"),
+                      "served_loss": (got.get("served_loss") or {}).get("loss"),
+                      "floor_tokens_per_s": (got.get("floor") or {}).get("floor_tokens_per_s"),
+                      "read_gb_s": (got.get("read_bandwidth") or {}).get("read_gb_s"),
+                      "levels": {lv["concurrency"]: {"decode_tokens_per_s": lv["decode_tokens_per_s_median"],
+                                                     "ttft_p50_s": lv["ttft_s"]["p50"],
+                                                     "output_tokens_per_s": lv["output_tokens_per_s"],
+                                                     "errors": lv["errors"]} for lv in got.get("levels") or []},
+                      "error": got.get("error")}
+    ratio: dict[str, Any] = {}
+    for c in (1, 4, 16):
+        rate = {w: (rows[w]["levels"].get(c) or {}).get("decode_tokens_per_s") for w in rows}
+        ratio[c] = {"merged_over_base": rate["merged"] / rate["base"] if rate["merged"] and rate["base"] else None,
+                    "merged_over_lora": rate["merged"] / rate["lora"] if rate["merged"] and rate["lora"] else None}
+    targets = {"merged within 10 % of base (c=1)": None if ratio[1]["merged_over_base"] is None
+               else ratio[1]["merged_over_base"] >= 0.9,
+               "merged at least 2x the LoRA path (c=1)": None if ratio[1]["merged_over_lora"] is None
+               else ratio[1]["merged_over_lora"] >= 2.0}
+    return {"chosen": doc.get("chosen"), "servers": rows, "ratios": ratio, "targets": targets,
+            "skipped": doc.get("skipped")}
+
+
+# --------------------------------------------------------------------------- item 4: served = trained, merged
+
+
+def check_sets(name: str, method: str | None, store: Path, serve_python: Path, extra: list[str]) -> list[str]:
+    sets = [f"store.root={store}", f"toolchains.serve.python={serve_python}", *extra]
+    if method is None:
+        return sets + ["serving.mode=lora"]
+    return sets + ["serving.mode=merged", f"serving.kt_method={method}", "serving.disable_cuda_graph=false"]
+
+
+def phase_check(work: MergedWork) -> int:
+    """Item 4 on the tiny fixtures the LoRA path's served = trained was measured on (run.sh NAME convert-NAME
+    losscheck-NAME before, on this machine): the LoRA path and each merged format of the same converted adapter,
+    each on a server of its own, the served loss over every training record through /generate's prompt logprobs
+    against loss_check.py's reference (transformers + PEFT, fp32). BF16 must be within the LoRA path's 0.0005;
+    the quantized formats are measured. (At the slice's geometry the fp32 reference does not fit: 2 MoE layers are
+    135 GB in fp32.)"""
+    started = time.perf_counter()
+    name = work.args.name
+    results = BUILD / "results"
+    tokens, reference = results / f"tokens-{name}.json", results / f"loss-{name}-full.json"
+    adapter = BUILD / "store" / "converted" / name
+    missing = [str(p) for p in (tokens, reference, adapter, TINY_BASES[name]) if not p.exists()]
+    if missing:
+        print(f"check: missing {missing}: run `run.sh {name} convert-{name} losscheck-{name}` first")
+        return 1
+    ref = json.loads(reference.read_text())["loss"]
+    recipe = REPO / "gpu_host" / f"tiny-sglang-{name}.yaml"
+    store = ROOT / "tiny-store"
+    path = work.results / f"check-{name}.json"
+    doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    doc.update(reference=ref, reference_file=str(reference), published_lora_path=LORA_PATH_PUBLISHED[name])
+    status = 0
+    for label, method in CHECK_VARIANTS[name]:
+        if doc.get(label, {}).get("ok") and not work.args.again:
+            continue
+        left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
+        if left < 75:
+            doc.setdefault("skipped", []).append(label)
+            continue
+        spec = {"label": f"check-{name}-{label}", "recipe": str(recipe),
+                "sets": check_sets(name, method, store, work.serve_python, work.extra_sets),
+                "model_dir": str(TINY_BASES[name]), "kt_weight_dir": str(TINY_BASES[name]), "adapter_dir": str(adapter),
+                "mode": "lora" if method is None else "merged", "record_dir": str(ROOT / "tiny-endpoint" / name),
+                "out": str(work.results / "servers" / f"check-{name}-{label}.json"), "tokens": str(tokens),
+                "load_args": None}
+        got = run_server(work, spec, limit_s=left)
+        served = (got.get("served_loss") or {}).get("loss")
+        got["difference"] = served - ref if served is not None else None
+        got["within_exact_tolerance"] = abs(served - ref) <= EXACT_TOLERANCE if served is not None else None
+        doc[label] = got
+        status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    table = check_table(name, doc)
+    work.save(f"check-{name}-summary", table)
+    return status | (0 if table["bf16_within_tolerance"] is not False else 1)
+
+
+def check_table(name: str, doc: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for label, method in CHECK_VARIANTS[name]:
+        got = doc.get(label) or {}
+        loss = (got.get("served_loss") or {}).get("loss")
+        rows.append({"server": label, "kt_method": got.get("kt_method"), "served_loss": loss,
+                     "reference": doc.get("reference"), "difference": got.get("difference"),
+                     "relative": got["difference"] / doc["reference"] if got.get("difference") is not None else None,
+                     "within_0.0005": got.get("within_exact_tolerance"), "ready_s": got.get("ready_s"),
+                     "error": got.get("error")})
+    bf16 = next((r for r in rows if r["server"] == "merged-BF16"), {})
+    return {"name": name, "rows": rows, "published_lora_path": doc.get("published_lora_path"),
+            "bf16_within_tolerance": bf16.get("within_0.0005")}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def phase_report(work: MergedWork) -> int:
+    """The three tables in results/summary.json (and printed)."""
+    def read(name: str) -> Any:
+        path = work.results / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    load = read("load.json")
+    levers = read("levers.json") or {}
+    summary = {
+        "moe_layers": work.moe_layers,
+        "item5_side_by_side": load_table(load) if load else None,
+        "item3_levers": {g: {n: {"decode_c1": _decode(d), "ready_s": d.get("ready_s"), "ok": d.get("ok"),
+                                 "served_loss": (d.get("served_loss") or {}).get("loss"),
+                                 "merge_s": ((d.get("merge") or {}).get("made") or {}).get("wall_s")
+                                 if isinstance((d.get("merge") or {}).get("made"), dict) else None}
+                             for n, d in runs.items()} for g, runs in levers.items()},
+        "item3_chosen": read("levers-chosen.json"),
+        "item4_served_equals_trained": {n: check_table(n, read(f"check-{n}.json"))
+                                        for n in ("bf16", "rawint4") if read(f"check-{n}.json")},
+        "merges": {p.stem: json.loads(p.read_text()) for p in sorted(work.results.glob("merge-*.json"))},
+    }
+    work.results.mkdir(parents=True, exist_ok=True)
+    (work.results / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(json.dumps(summary, indent=1, default=str)[:6000])
+    return 0
+
+
+def phase_clean(work: MergedWork) -> int:
+    """Remove this depth's model, views, merges and store (the results stay)."""
+    for path in (work.root, work.sft_store, ROOT / "tiny-store", ROOT / "tiny-endpoint"):
+        shutil.rmtree(path, ignore_errors=True)
+    (ROOT / "depth.json").unlink(missing_ok=True)
+    print(f"removed; {free_disk_gb(ROOT)} GB free")
+    return 0
+
+
+REHEARSAL_GPU_ENV = "KTFLOW_MERGED_SERVING_REHEARSAL_GPU"
+
+
+def _rehearsal_gpu() -> None:
+    """Only for tests/test_merged_serving_harness.py on a box without GPUs: the serve stage's host probe reports one
+    (the stand-in server needs none; the launch's checks want serving.gpus of them)."""
+    import ktflow.resources
+    from ktflow.host.hardware import GpuInfo, probe_host
+
+    host = probe_host().model_copy(update={"gpus": [GpuInfo(index=0, name="rehearsal", vram_bytes=80 << 30)]})
+    ktflow.resources.hardware.probe_host = lambda *a, **k: host
+
+
+PHASES = {"fixture": phase_fixture, "adapter": phase_adapter, "merge": phase_merge, "levers": phase_levers,
+          "load": phase_load, "check": phase_check, "report": phase_report, "clean": phase_clean}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_serve"]:
+        if os.environ.get(REHEARSAL_GPU_ENV):  # the CPU rehearsal (stand-in server): the host gets a GPU to check
+            _rehearsal_gpu()
+        doc = serve_and_measure(json.loads(argv[1]))
+        return 0 if doc.get("ok") and not doc.get("leftover_processes") else 1
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("phase", choices=PHASES)
+    parser.add_argument("--moe-layers", type=int, default=None,
+                        help="the depth (default: depth.json, written by fixture from the free disk)")
+    parser.add_argument("--python", default=str(big.default_python()), help="the training toolchain's python")
+    parser.add_argument("--ktflow-python", default=None, help="the python that runs ktflow (default: --python)")
+    parser.add_argument("--serve-python", default=str(SERVE_PY), help="the serving toolchain's python")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a further recipe override (training)")
+    parser.add_argument("--random", action="store_true", help="adapter: random non-zero LoRA instead of training")
+    parser.add_argument("--method", default="RAWINT4", help="merge: the expert format")
+    parser.add_argument("--group", default="engine", choices=("engine", "gpu", "threads", "methods", "combo"),
+                        help="levers: which levers")
+    parser.add_argument("--only", default="lora,merged,base", help="load: which servers, in this order")
+    parser.add_argument("--name", default="bf16", choices=tuple(TINY_BASES), help="check: which tiny fixture")
+    parser.add_argument("--again", action="store_true", help="measure again what was measured before")
+    parser.add_argument("--bandwidth-gib", type=float, default=4.0, help="the read-bandwidth buffer (GiB)")
+    args = parser.parse_args(argv)
+    return PHASES[args.phase](MergedWork(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

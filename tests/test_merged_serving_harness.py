@@ -1,0 +1,294 @@
+"""gpu_host/merged_serving.py rehearsed on the CPU: its phases' plumbing at tiny size, through ktflow's real serve
+stage (the merge stage for real, the model views, the launch's checks) against a stand-in sglang server, the
+children in their own processes as on the GPU host. The stand-in here adds to tests/fake_sglang what the harness
+asks of a server: streaming chat with usage (benchmarks/serve_load.py) and /generate's prompt logprobs (the served
+loss). The GPU runs themselves: gpu_host/README.md, "Merged serving"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "gpu_host"))
+
+import merged_serving as ms  # noqa: E402
+
+FAKE_SERVER = r'''
+import argparse, json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+parser = argparse.ArgumentParser()
+for flag in ("--host", "--api-key", "--served-model-name"):
+    parser.add_argument(flag)
+parser.add_argument("--port", type=int)
+parser.add_argument("--lora-paths", nargs="*")
+args, _ = parser.parse_known_args(sys.argv[1:])
+adapters = dict(p.split("=", 1) for p in (args.lora_paths or []))
+models = [args.served_model_name] + [f"{args.served_model_name}:{a}" for a in adapters]
+LOGPROB = -0.05  # every prompt token after the first: the served loss is 0.05
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _reply(self, status, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _ok(self):
+        return self.headers.get("Authorization") == f"Bearer {args.api_key}"
+
+    def do_GET(self):
+        if not self._ok():
+            return self._reply(401, {})
+        if self.path == "/health":
+            return self._reply(200, {})
+        if self.path == "/v1/models":
+            return self._reply(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
+        self._reply(404, {})
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not self._ok():
+            return self._reply(401, {})
+        if self.path == "/generate":
+            ids = payload["input_ids"]
+            lps = [[None, ids[0], None]] + [[LOGPROB, i, None] for i in ids[1:]]
+            return self._reply(200, {"text": "x", "meta_info": {"input_token_logprobs": lps}})
+        if self.path != "/v1/chat/completions" or payload.get("model") not in models:
+            return self._reply(404, {"error": f"unknown model {payload.get('model')}"})
+        if adapters and payload["model"] == args.served_model_name:
+            return self._reply(400, {"error": "KT expert LoRA statically paired with the adapter"})
+        n = int(payload.get("max_tokens") or 8)
+        if not payload.get("stream"):
+            return self._reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": payload["model"],
+                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                                  "message": {"role": "assistant", "content": "hello"}}],
+                                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+        def event(doc):
+            self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
+            self.wfile.flush()
+
+        base = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": payload["model"]}
+        for i in range(n):
+            time.sleep(0.002)
+            event({**base, "choices": [{"index": 0, "delta": {"content": "x"},
+                                        "finish_reason": "length" if i == n - 1 else None}]})
+        event({**base, "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n}})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+
+print(f"fake sglang argv: {json.dumps([a for a in sys.argv[1:] if not a.startswith('--api-key')])}", flush=True)
+ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def harness(tmp_path: Path, fixture_dir, monkeypatch: pytest.MonkeyPatch):
+    """merged_serving's folders in tmp_path, a tiny Kimi-K2.5 fixture as 'the slice', the stand-in server on the
+    serving toolchain's path, this python as every toolchain."""
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_SERVER)
+    monkeypatch.setattr(ms, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(ms, "ROOT", tmp_path / "build" / "merged")
+    monkeypatch.setattr(ms, "RESULTS", tmp_path / "build" / "merged" / "results")
+    monkeypatch.setenv(ms.REHEARSAL_GPU_ENV, "1")
+    monkeypatch.setenv("KTFLOW_API_KEY", "rehearsal-key-" + "x" * 16)
+    ms.ROOT.mkdir(parents=True)
+    (ms.ROOT / "depth.json").write_text(json.dumps({"moe_layers": 2}))
+    shutil.copytree(fixture_dir("kimi-k2.5"), ms.ROOT / "moe2" / "model")
+    sets = [f"toolchains.serve.env.PYTHONPATH={fake}", f"serving.port={_free_port()}", "serving.ready_timeout_s=60",
+            "serving.kt_cpuinfer=2"]
+
+    def run(*argv: str) -> int:
+        common = ["--python", sys.executable, "--serve-python", sys.executable, "--bandwidth-gib", "0.01"]
+        return ms.main([*argv, *common, *sum((["--set", s] for s in sets), [])])
+
+    yield run, tmp_path
+    left = [p.pid for p in psutil.process_iter(["cmdline"])  # nothing the phases started may be left
+            if str(tmp_path) in " ".join(p.info["cmdline"] or []) and "--model-path" in (p.info["cmdline"] or [])]
+    assert not left
+
+
+def test_depth_is_the_deepest_the_disk_allows() -> None:
+    assert ms.choose_depth(60) == 1 and ms.choose_depth(85) == 2 and ms.choose_depth(240) == 3
+    assert ms.choose_depth(40) is None
+
+
+def test_gpu_experts_are_the_whole_models_share_of_the_card() -> None:
+    """Kimi-K2.5's 23.4 GB of non-expert weights, a KV pool and a reserve first; then 60 layers of ~24.8 MB experts."""
+    h100 = ms.gpu_expert_share(79 * 2**30)
+    assert 20 <= h100["experts_per_layer"] <= 35 and h100["expert_mib"] == pytest.approx(23.6, abs=0.3)
+    assert ms.gpu_expert_share(140 * 2**30)["experts_per_layer"] > h100["experts_per_layer"]
+    assert ms.gpu_expert_share(20 * 2**30)["experts_per_layer"] == 0
+
+
+def test_the_chosen_settings_and_the_combination() -> None:
+    runs = lambda base, **levers: {"baseline": {"levels": [{"concurrency": 1, "errors": 0,  # noqa: E731
+                                                           "decode_tokens_per_s_median": base}], "lever_sets": []},
+                                   **{k: {"levels": [{"concurrency": 1, "errors": 0, "decode_tokens_per_s_median": v}],
+                                          "lever_sets": [f"serving.{k}=1"]} for k, v in levers.items()}}
+    levers = {"engine": runs(40.0, a=44.0, b=39.0), "gpu": runs(30.0, c=36.0)}  # c: +20 % over its own baseline
+    assert ms.chosen_settings(levers) == {"name": "gpu/c", "sets": ["serving.c=1"], "vs_baseline": 1.2}
+    assert ms.combo_sets(levers) == ["serving.a=1", "serving.c=1"]
+
+
+def test_run_sh_names_every_phase() -> None:
+    text = (REPO / "gpu_host" / "run.sh").read_text()
+    for step in ("merged-fixture", "merged-adapter", "merged-merge", "merged-levers-*", "merged-load",
+                 "merged-check-*", "merged-report", "pack-merged"):
+        assert f"    {step})" in text, step
+    assert "merged" in (REPO / "gpu_host" / "run.sh").read_text().split("steps=(")[0]  # the function's defined first
+
+
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers measured by this process instead of a child of the serving toolchain (each child imports torch,
+    transformers and ktflow: seconds on this box); the load phase keeps its children."""
+    import ktflow.resources
+    from ktflow.host.hardware import GpuInfo, probe_host
+    from ktflow.stages.serve import stop
+
+    host = probe_host().model_copy(update={"gpus": [GpuInfo(index=0, name="rehearsal", vram_bytes=80 << 30)]})
+    monkeypatch.setattr(ktflow.resources.hardware, "probe_host", lambda *a, **k: host)
+
+    def run_server(work, spec, limit_s):
+        doc = ms.serve_and_measure(spec)
+        stop(Path(spec["record_dir"]))
+        return {**doc, "child": {"rc": 0, "outcome": "in process"}}
+
+    monkeypatch.setattr(ms, "run_server", run_server)
+
+
+def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """adapter (random), merge, levers, load, check and report, in that order; the load phase's servers each a
+    child of the serving toolchain's python, as on the GPU host, the others measured in this process."""
+    run, tmp = harness
+    monkeypatch.setattr(ms, "LOAD_ARGS", "--concurrency 1,4 --max-tokens 6 --warmup 0")
+    monkeypatch.setattr(ms, "LEVER_ARGS", "--concurrency 1 --max-tokens 6 --warmup 0 --requests-per-level 2")
+    real_groups = ms.lever_groups
+
+    def groups(work, share, cores):
+        found = real_groups(work, share, cores)
+        assert [n for n, _ in found["gpu"]][1].startswith("gpu-experts-")
+        return {**found, "engine": found["engine"][:2]}  # baseline and CUDA graphs off
+
+    monkeypatch.setattr(ms, "lever_groups", groups)
+    results = ms.RESULTS
+
+    assert run("adapter", "--random") == 0
+    converted = json.loads((results / "adapter.json").read_text())["converted"]
+    assert converted["expert_tensors"] > 0 and converted["tensors"] > converted["expert_tensors"]
+
+    assert run("merge") == 0
+    merge = json.loads((results / "merge-RAWINT4.json").read_text())
+    assert merge["made"]["rc"] == 0 and merge["estimate"]["seconds"] > 0 and merge["bytes_on_disk"] > 0
+
+    with monkeypatch.context() as inside:
+        _in_process(inside)
+        assert run("levers", "--group", "engine") == 0
+    levers = json.loads((results / "levers.json").read_text())["engine"]
+    assert set(levers) == {"baseline", "cuda-graphs-off"}
+    base_argv, off_argv = levers["baseline"]["argv"], levers["cuda-graphs-off"]["argv"]
+    assert "--disable-cuda-graph" not in base_argv and "--disable-cuda-graph" in off_argv
+    assert "--lora-paths" not in base_argv  # merged: no LoRA flags
+    assert levers["baseline"]["endpoint"]["merged_dir"] and levers["baseline"]["floor"]["floor_tokens_per_s"] > 0
+    assert all(not d["leftover_processes"] for d in levers.values())
+    assert (results / "levers-chosen.json").is_file()
+
+    assert run("load") == 0
+    load = json.loads((results / "load.json").read_text())
+    for what in ("lora", "merged", "base"):
+        got = load[what]
+        assert got["ok"], got.get("error") or got.get("child")
+        assert [lv["concurrency"] for lv in got["levels"]] == [1, 4] and got["read_bandwidth"]["read_gb_s"] > 0
+        assert not got["leftover_processes"]
+    assert "--lora-paths" in load["lora"]["argv"] and "--disable-cuda-graph" in load["lora"]["argv"]
+    assert "--lora-paths" not in load["merged"]["argv"] and "--lora-paths" not in load["base"]["argv"]
+    assert load["merged"]["endpoint"]["merged_dir"] and not load["base"]["endpoint"]["merged_dir"]
+    # one model view per served checkpoint: the LoRA path and the base server share the base's
+    views = sorted(p.parent.name for p in ms.ROOT.glob("moe2/endpoints/*/model-view-*"))
+    assert views == ["base", "merged-RAWINT4"]
+    summary = json.loads((results / "load-summary.json").read_text())
+    assert summary["ratios"]["1"]["merged_over_base"] > 0
+
+    # item 4: the tiny BF16 fixture, its converted adapter, loss_check's outputs where run.sh leaves them
+    bf16 = fixture_dir("bf16")
+    monkeypatch.setattr(ms, "TINY_BASES", {"bf16": bf16})
+    monkeypatch.setattr(ms, "CHECK_VARIANTS", {"bf16": [("lora", None), ("merged-BF16", "BF16")]})
+    build = tmp / "build"
+    ms.random_converted_adapter(bf16, build / "store" / "converted" / "bf16")
+    (build / "results").mkdir(parents=True, exist_ok=True)
+    (build / "results" / "tokens-bf16.json").write_text(json.dumps(
+        [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]}] * 3))
+    (build / "results" / "loss-bf16-full.json").write_text(json.dumps({"loss": 0.0503}))
+    with monkeypatch.context() as inside:
+        _in_process(inside)
+        assert run("check", "--name", "bf16") == 0
+    check = json.loads((results / "check-bf16-summary.json").read_text())
+    assert [r["server"] for r in check["rows"]] == ["lora", "merged-BF16"]
+    assert all(r["served_loss"] == pytest.approx(0.05) and r["within_0.0005"] for r in check["rows"])
+    assert check["bf16_within_tolerance"] is True
+
+    assert run("report") == 0
+    report = json.loads((results / "summary.json").read_text())
+    assert report["item5_side_by_side"]["servers"]["merged"]["ok"] and "engine" in report["item3_levers"]
+    assert "bf16" in report["item4_served_equals_trained"]
+
+
+def test_a_phase_out_of_time_says_what_it_left_and_goes_on_when_run_again(
+        harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run, _ = harness
+    monkeypatch.setattr(ms, "LOAD_ARGS", "--concurrency 1 --max-tokens 4 --warmup 0")
+    assert run("adapter", "--random") == 0
+    _in_process(monkeypatch)
+    monkeypatch.setattr(ms, "START_S", {2: ms.big.PHASE_LIMIT_S})  # no server fits the phase's time
+    assert run("load", "--only", "base") == 0
+    load = json.loads((ms.RESULTS / "load.json").read_text())
+    assert load["skipped"][0]["what"] == "base" and "base" not in load
+    monkeypatch.setattr(ms, "START_S", {2: 5.0})
+    assert run("load", "--only", "base") == 0
+    assert json.loads((ms.RESULTS / "load.json").read_text())["base"]["ok"]
+
+
+def test_make_room_removes_other_views_and_merges_never_the_base(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(ms, "ROOT", tmp_path / "merged")
+    work = ms.MergedWork(argparse.Namespace(moe_layers=1, python=sys.executable, ktflow_python=None,
+                                            serve_python=sys.executable, set=None))
+    for d in ("endpoints/base/model-view-a", "endpoints/merged-RAWINT4/model-view-b", "model"):
+        (work.root / d).mkdir(parents=True)
+    (work.sft_store / "merged" / "x").mkdir(parents=True)
+    monkeypatch.setattr(ms, "free_disk_gb", lambda path: 1.0)  # never enough: everything removable goes
+    room = ms.make_room(work, 10**9, keep={work.model, work.endpoint("merged-RAWINT4")})
+    assert not room["fits"] and sorted(Path(p).name for p in room["removed"]) == ["model-view-a", "x"]
+    assert work.model.is_dir() and (work.root / "endpoints/merged-RAWINT4/model-view-b").is_dir()
