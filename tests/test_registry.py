@@ -142,7 +142,7 @@ def test_the_recipes_candidate_mode_wins_and_a_shortfall_is_named() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "vram_gib", "fits", "says"), [
-    # kimi-k2.5-rawint4: 4 GPUs, mem_fraction_static 0.75; 32 GiB of non-expert BF16 weights: 8 GiB per GPU.
+    # kimi-k2.5-rawint4 served on 4 GPUs, mem_fraction_static 0.75; 32 GiB of non-expert BF16 weights: 8 GiB per GPU.
     # production takes 0.75 of each GPU, the candidate's server 0.75 of the rest, the base model's 0.75 of that:
     # 0.75 * 0.25^2 * 141 = 6.6 GiB < 8.
     ([], 141, False, "leaves the last one 6.61 GiB, less than its non-expert weights in BF16 (8.00 GiB)"),
@@ -154,7 +154,7 @@ def test_a_second_sglang_kt_server_must_fit_the_gpu_memory_production_leaves(ove
                                                                               says) -> None:
     from ktflow.stages.serve import candidate_prices
 
-    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", overrides)
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.gpus=4", *overrides])
     host = _host(4096, gpus=4 if vram_gib else 0, vram_gib=vram_gib)
     beside, offline, swap = candidate_prices(recipe, _sizes(16 * GiB, 40 * GiB), host, production_running=True)
     assert (beside.problem is None) == fits and says in (beside.problem or ""), beside

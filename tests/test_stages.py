@@ -77,7 +77,8 @@ def test_legacy_kt_needs_amx() -> None:
 
 
 def test_gpu_count_and_threads_are_checked() -> None:
-    recipe = load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml", ["sft.kt_config.kt_num_threads=96"])
+    recipe = load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml",
+                         ["sft.kt_config.kt_num_threads=96", "sft.gpus=8", "serving.gpus=4"])
     checks = {c.stage: c for c in check_recipe_on_host(recipe, host(gpus=4, cores=64))}
     assert "sft needs 8 GPU(s); this host has 4" in checks["sft"].missing
     assert any("sft.kt_config.kt_num_threads is 96 but this host has 64 physical cores" in m for m in checks["sft"].missing)
