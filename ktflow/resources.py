@@ -117,6 +117,7 @@ class GpuNeed(BaseModel):
     bytes: int
     gpus: int = 1  # how many GPUs the run uses
     summed: bool = False  # True: ``bytes`` is spread over the GPUs (their memory is added up)
+    fraction: float = 1.0  # the share of each GPU's memory the run may take (sglang's mem_fraction_static)
     what: str = ""  # the sentence's start, e.g. "plain LoRA SFT puts the whole model on the GPU in BF16: ..., so it"
     why: str = ""  # the breakdown, shown in parentheses
     field: str = ""  # the recipe field that sets ``gpus``, e.g. "sft.gpus"
@@ -194,9 +195,11 @@ def gpu_shortfall(stage: StageName, gpu: GpuNeed, host: HostInfo) -> str | None:
         return (f"{what} needs ~{gpu.bytes / GiB:.0f} GiB of GPU memory{why}; the {len(used)} GPU(s) it uses "
                 f"({field}{names}) have {have / GiB:.1f} GiB.")
     for g in used:
-        if g.vram_bytes < gpu.bytes:
+        if g.vram_bytes * gpu.fraction < gpu.bytes:
+            share = (f", of which {gpu.fraction:g} is {g.vram_bytes * gpu.fraction / GiB:.1f} GiB"
+                     if gpu.fraction < 1 else "")
             return (f"{what} needs ~{gpu.bytes / GiB:.1f} GiB on each of {len(used)} GPU(s){why}; "
-                    f"GPU {g.index} ({g.name}) has {g.vram_bytes / GiB:.1f} GiB")
+                    f"GPU {g.index} ({g.name}) has {g.vram_bytes / GiB:.1f} GiB{share}")
     return None
 
 

@@ -582,3 +582,23 @@ def test_the_serve_preflight_says_the_kv_pool_is_unbounded_until_max_total_token
     bounded = serve_needs(recipe, ServeSizes(model=size)).gpu
     assert bounded is not None and "KV pool of 10,000 tokens" in bounded.why
     assert bounded.bytes == 2 * 2_000_000_000 // 2 + 10_000 * 98304 // 2  # per-head KV: split over the 2 ranks
+
+
+@pytest.mark.parametrize(("vram_gib", "fraction", "fits"), [(24, 0.75, False), (32, 0.75, True), (24, 0.95, True)])
+def test_the_server_must_hold_its_weights_within_mem_fraction_static(vram_gib: int, fraction: float, fits: bool) -> None:
+    """sglang keeps weights and KV pool in mem_fraction_static of each GPU: Kimi-K2.5's 21.8 GiB of non-expert weights
+    do not fit 0.75 of a 24 GB card (18 GiB), and the plan and the serve stage's preflight say so alike."""
+    from ktflow.resources import gpu_shortfall
+    from ktflow.stages.serve import ServeSizes, serve_needs
+
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"serving.mem_fraction_static={fraction}"])
+    host = _host(gpus=1).model_copy(update={"gpus": [GpuInfo(index=0, name="card", vram_bytes=vram_gib * GiB)]})
+    size = size_from_facts(recipe.source.size, "kimi")
+    gpu = serve_needs(recipe, ServeSizes(model=size)).gpu
+    assert gpu is not None and gpu.fraction == fraction
+    short = gpu_shortfall("serve", gpu, host)
+    assert (short is None) == fits, short
+    if not fits:
+        assert f"of which {fraction:g} is {vram_gib * fraction:.1f} GiB" in short
+    serve = next(s for s in plan_recipe(recipe, host, size=size).stages if s.stage == "serve")
+    assert any("of which" in p for p in serve.problems) != fits

@@ -65,8 +65,11 @@ def serve_needs(recipe: Recipe, sizes: ServeSizes) -> Resources:
         host=requirement,
         ram=RamNeed(bytes=sizes.kt_weight_bytes, what="serve", why=f"the CPU experts as {serving.kt_method}",
                     of="installed", numa_pools=serving.kt_threadpool_count),
+        # sglang holds its weights and KV pool in mem_fraction_static of each GPU's memory (the rest: activations)
         gpu=GpuNeed(bytes=2 * sizes.model.non_expert_parameters // gpus + (pool or 0), gpus=gpus,
-                    field="serving.gpus", what="sglang-kt", why=weights_why + kv_why),
+                    fraction=serving.mem_fraction_static or 1.0, field="serving.gpus", what="sglang-kt",
+                    why=weights_why + kv_why + (f"; mem_fraction_static {serving.mem_fraction_static:g} of each GPU"
+                                                if serving.mem_fraction_static else "")),
     )
 
 
