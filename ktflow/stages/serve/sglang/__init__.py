@@ -42,19 +42,19 @@ class SglangBackend:
 
     def prepare(self, recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
                 record_dir: Path, log: Log, mode: ServeMode = "lora") -> None:
-        model_dir, kt_weight_dir, adapter_dir, _ = self._weights(recipe, model_dir, adapter_dir, kt_weight_dir, mode,
+        model_dir, kt_weight_dir, adapter_dir, _ = self._served_weights(recipe, model_dir, adapter_dir, kt_weight_dir, mode,
                                                                  dry_run=False, log=log)
         sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weight_dir, adapter_dir=adapter_dir,
                       record_dir=record_dir, log=log)
 
-    def _weights(self, recipe: Recipe, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
+    def _served_weights(self, recipe: Recipe, model_dir: Path, adapter_dir: Path | None, kt_weight_dir: Path | None,
                  mode: ServeMode, *, dry_run: bool, log: Log) -> tuple[Path, Path, Path | None, Path | None]:
         """``(model dir, expert weights, adapter for the LoRA flags, merged dir)`` the server is given: in ``merged``
         mode the merge of ``adapter_dir`` into ``model_dir`` (made now, or named for a dry run) and no adapter;
         else the inputs as they are."""
         model_dir = Path(model_dir).absolute()
         if mode != "merged" or adapter_dir is None:
-            return model_dir, _weights(kt_weight_dir), adapter_dir, None
+            return model_dir, _required_weights(kt_weight_dir), adapter_dir, None
         from ktflow.stages.merge import merge_adapter, merge_target, served_paths  # torch: only where a merge runs
 
         method = recipe.serving.kt_method
@@ -86,16 +86,14 @@ class SglangBackend:
 
         serving = recipe.serving
         python = recipe.toolchains.serve.python.absolute() if dry_run else self.python(recipe)
-        model_dir, weights, adapter_dir, merged = self._weights(recipe, model_dir, adapter_dir, kt_weight_dir, mode,
+        model_dir, weights, adapter_dir, merged = self._served_weights(recipe, model_dir, adapter_dir, kt_weight_dir, mode,
                                                                 dry_run=dry_run, log=log)
         notes: list[str] = []
         if dry_run and merged is not None:
             notes.append(f"--model-path and --kt-weight-path: the merge stage folds the adapter into the weights as "
                          f"{serving.kt_method} before the start ({merged.parent}/<base>-<adapter>-<method>), cached")
-        if dry_run and not (Path(model_dir) / "config.json").is_file():
-            model_dir = Path(model_dir).absolute()  # not there yet: the view, if any, is decided at start
-        else:
-            model_in = Path(model_dir).absolute()
+        if not dry_run or (model_dir / "config.json").is_file():  # a dry run before the weights exist names no view
+            model_in = model_dir
             model_dir, weights = sglang_inputs(recipe, model_dir=model_in, kt_weight_dir=weights,
                                                adapter_dir=adapter_dir, record_dir=record_dir, create=not dry_run,
                                                log=log)
@@ -121,7 +119,7 @@ class SglangBackend:
                       check_auth=False, details=details, merged_dir=merged)
 
 
-def _weights(kt_weight_dir: Path | None) -> Path:
+def _required_weights(kt_weight_dir: Path | None) -> Path:
     if kt_weight_dir is None:
         raise InvalidInputError("kt_weight_dir", "the sglang backend needs the CPU expert weights",
                                 "pass the weights for serving.kt_method")
