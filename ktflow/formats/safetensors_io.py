@@ -218,6 +218,19 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     return SafetensorsHeader(path, {t.name: t for t in infos}, metadata, data_start, size)
 
 
+def holds_planned_tensors(path: str | os.PathLike[str], planned: Sequence[tuple[str, str, tuple[int, ...]]]) -> bool:
+    """Whether the safetensors file at ``path`` exists and its header lists exactly ``planned`` ``(name, dtype,
+    shape)``, in order: a shard a stage renamed into place when complete, checked anyway before it is reused."""
+    if not Path(path).exists():
+        return False
+    try:
+        header = read_header(path)
+    except CheckpointError:
+        return False
+    return [(t.name, t.dtype, tuple(t.shape)) for t in header.tensors.values()] == [
+        (name, dtype, tuple(shape)) for name, dtype, shape in planned]
+
+
 def read_tensor(
     path_or_header: str | os.PathLike[str] | SafetensorsHeader,
     name: str,

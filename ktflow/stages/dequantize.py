@@ -58,7 +58,7 @@ from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsWriter,
     TensorInfo,
-    read_header,
+    holds_planned_tensors,
     read_tensor,
 )
 from ktflow.host.process import single_thread_torch
@@ -477,16 +477,7 @@ def _physical_cores() -> int:
 
 
 def _complete(path: Path, plan: list[_OutTensor]) -> bool:
-    """A shard under its final name was renamed only when complete; check its header anyway."""
-    if not path.exists():
-        return False
-    try:
-        header = read_header(path)
-    except CheckpointError:
-        return False
-    return [(t.name, t.dtype, tuple(t.shape)) for t in plan] == [
-        (i.name, i.dtype, tuple(i.shape)) for i in header.tensors.values()
-    ]
+    return holds_planned_tensors(path, [(t.name, t.dtype, tuple(t.shape)) for t in plan])
 
 
 class _ShardJob:

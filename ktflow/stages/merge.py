@@ -64,6 +64,7 @@ from ktflow.formats.quant_encode import encode_int4_pack_quantized
 from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsWriter,
+    holds_planned_tensors,
     read_header,
     read_tensor,
 )
@@ -467,15 +468,7 @@ def _measure(job: _Job, resumed: Path | None) -> MergeSizes:
 
 
 def _complete(path: Path, items: list[_Item]) -> bool:
-    """A shard under its final name was renamed there complete; its header is checked anyway."""
-    if not path.is_file():
-        return False
-    try:
-        header = read_header(path)
-    except CheckpointError:
-        return False
-    planned = [(n, d, tuple(s)) for item in items for n, d, s in item.outputs]
-    return [(t.name, t.dtype, tuple(t.shape)) for t in header.tensors.values()] == planned
+    return holds_planned_tensors(path, [output for item in items for output in item.outputs])
 
 
 def _make(job: _Job, item: _Item) -> list[torch.Tensor]:
