@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import threading
 from collections import Counter
 from collections.abc import Iterable
@@ -401,3 +402,18 @@ class CheckpointTensors:
         """One tensor, read on its own into its own storage."""
         self.tensor_info(name)
         return read_tensor(self.header(self.weight_map[name]), name)
+
+
+def copy_other_files(src: Path, dst: Path, skip: set[str]) -> None:
+    """Copy every file of checkpoint ``src`` into ``dst`` but those in ``skip`` (paths relative to ``src``) and hidden
+    ones: the tokenizer, remote code, chat template, generation config... a converted checkpoint keeps."""
+    for path in sorted(Path(src).rglob("*")):
+        rel = path.relative_to(src)
+        if rel.as_posix() in skip or any(part.startswith(".") for part in rel.parts):
+            continue
+        target = Path(dst) / rel
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)

@@ -54,6 +54,7 @@ from ktflow.formats.checkpoint import (
     CheckpointInfo,
     CheckpointTensors,
     checkpoint_identity,
+    copy_other_files,
     identity_digest,
     inspect_checkpoint,
 )
@@ -569,18 +570,8 @@ def _write_checkpoint_files(job: _Job, staging: Path) -> None:
     if job.method != "RAWINT4":  # every other output is BF16 (or has no experts here)
         config = _strip_quantization_config(config)
     atomic_write_json(staging / CONFIG_NAME, config, fsync=job.fsync)
-    shards = set(job.base.weight_map.values())
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if (rel.as_posix() in shards or rel.name in (INDEX_NAME, CONFIG_NAME, store.MANIFEST_NAME)
-                or any(part.startswith(".") for part in rel.parts)):
-            continue
-        target = staging / rel
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        elif path.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, target)
+    copy_other_files(src, staging, skip=set(job.base.weight_map.values()) | {INDEX_NAME, CONFIG_NAME,
+                                                                           store.MANIFEST_NAME})
 
 
 def _strip_quantization_config(config: Any) -> Any:
