@@ -59,6 +59,10 @@ class StageEstimate(BaseModel):
     seconds: float | None = None
     step_seconds: float | None = None  # sft: one optimizer step, predicted
     decode_tokens_per_s: float | None = None  # serve (sglang + KT): one sequence's decode, predicted
+    measured_decode_tokens_per_s: float | None = None  # serve: the same, measured here by `ktflow tune-serving`
+    serving_settings: str = ""  # serve: the engine settings it would use, in brief
+    serving_settings_basis: str = ""  # serve: where they come from (the recipe, or a measurement on this machine)
+    decode_by_mode: list[str] = []  # serve (sglang): each mode's expected decode at concurrency 1, and why
     kt_probe: ProbeScale | None = None  # sft with KT on a host without KT runs: kt-kernel's kernels timed there
     time_basis: str = ""
     # ``ktflow plan``'s one line for the stage, the essentials of time_basis, reason and candidate (not in the JSON)
@@ -236,14 +240,17 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
 
         needs = serve_needs(recipe, ServeSizes(model=size, kt_weight_bytes=_kt_bytes(recipe, size)))
         ram, gpu = needs.ram, needs.gpu
-        serving = recipe.serving
         line.summary = line.reason
-        if serving.backend == "sglang" and serving.kt_method:
-            decode = serve_decode_estimate(size, serving.kt_method, serving.kt_cpuinfer or host.physical_cores, costs)
+        if recipe.serving.backend == "sglang" and recipe.serving.kt_method:
+            recipe = _serving_settings(line, recipe, host)
+            serving = recipe.serving
+            decode = serve_decode_estimate(size, str(serving.kt_method), serving.kt_cpuinfer or host.physical_cores,
+                                           costs)
             if decode is not None:
                 line.decode_tokens_per_s = decode.tokens_per_s
                 line.time_basis = decode.basis
             _price_serving_mode(line, recipe, host, size, costs)
+            line.decode_by_mode = _decode_by_mode(recipe, host, size, costs, line)
     elif line.stage == "convert-lora":
         line.disk_bytes = GiB
         line.summary = line.reason
@@ -262,8 +269,16 @@ def _price_serving_mode(line: StageEstimate, recipe: Recipe, host: HostInfo, siz
     why = "set by serving.mode" if serving.mode != "auto" else (
         f"auto: the merge stage writes {serving.kt_method}" if mode == "merged" else
         f"auto: the merge stage does not write {serving.kt_method}")
-    decode = (f"; ~{line.decode_tokens_per_s:.1f} tokens/s decode at concurrency 1"
-              if line.decode_tokens_per_s is not None else "")
+    measured = line.serving_settings_basis.startswith("serving settings measured")
+    if line.measured_decode_tokens_per_s is not None:
+        decode = (f"; {line.measured_decode_tokens_per_s:.1f} tokens/s decode at concurrency 1 measured on this "
+                  f"machine with {line.serving_settings}")
+    else:
+        decode = (f"; ~{line.decode_tokens_per_s:.1f} tokens/s decode at concurrency 1"
+                  if line.decode_tokens_per_s is not None else "")
+        if line.serving_settings:
+            decode += (f" with the settings measured on this machine ({line.serving_settings})" if measured
+                       else f" with the recipe's settings ({line.serving_settings})")
     if mode == "lora":
         line.reason += f"; the adapter through KT's LoRA path ({why}: CUDA graphs off, no GPU experts)"
         line.summary = f"lora mode ({why}){decode}"
@@ -281,6 +296,72 @@ def _price_serving_mode(line: StageEstimate, recipe: Recipe, host: HostInfo, siz
     shortfall = ram_shortfall("merge", RamNeed(bytes=merge.ram_bytes, what="merge", why=merge.basis), host)
     if shortfall:
         line.problems.append(f"{shortfall}; or set serving.mode: lora")
+
+
+def _serving_settings(line: StageEstimate, recipe: Recipe, host: HostInfo) -> Recipe:
+    """The serve line's engine settings: those ``ktflow tune-serving`` measured on ``host``'s machine for this model
+    and mode where the store keeps them (applied as the serve stage applies them), else the recipe's own. Returns
+    the recipe the serve stage would start."""
+    from ktflow.stages.serve.levers import (
+        expected_served_model,
+        kept_levers,
+        lever_settings,
+        measured_decode,
+        recipe_with_measured_levers,
+        split_choice,
+    )
+
+    model = expected_served_model(recipe)
+    record = kept_levers(recipe.store.root, host.machine, model) if model is not None else None
+    if model is None or record is None:
+        line.serving_settings = lever_settings(recipe.serving, host.physical_cores)
+        line.serving_settings_basis = ("the recipe's serving section (no measurement of this machine kept in the "
+                                       "store: `ktflow tune-serving RECIPE` measures one)")
+        return recipe
+    applied, _ = split_choice(recipe.serving, record)
+    served, said = recipe_with_measured_levers(recipe, host.machine, model)
+    line.serving_settings = lever_settings(served.serving, host.physical_cores)
+    line.serving_settings_basis = said or ""
+    if served is not recipe or not applied:
+        line.measured_decode_tokens_per_s = measured_decode(record, applied)
+    return served
+
+
+def _decode_by_mode(recipe: Recipe, host: HostInfo, size: ModelSize, costs: CostModel,
+                    line: StageEstimate) -> list[str]:
+    """Each serving mode's expected decode at concurrency 1 on ``host``, and why: the one decode model (fitted on
+    KT's LoRA path with CUDA graphs off) for every mode, a measurement on this machine where one is kept."""
+    from ktflow.recipe.serving import MERGED_METHODS
+    from ktflow.stages.serve.levers import expected_served_model, kept_levers
+
+    serving = recipe.serving
+    method = str(serving.kt_method)
+    threads = serving.kt_cpuinfer or host.physical_cores
+    estimate = serve_decode_estimate(size, method, threads, costs)
+    model_words = (f"~{estimate.tokens_per_s:.1f} tokens/s, the decode model (fitted on KT's LoRA path, CUDA graphs "
+                   "off)" if estimate is not None else "no estimate (the model's experts are not known)")
+    lines = []
+    for mode in ("lora", "merged"):
+        if mode == "merged" and method not in MERGED_METHODS:
+            lines.append(f"merged: not available: the merge stage does not write {method}")
+            continue
+        if mode == "lora" and method == "AMXINT4":
+            lines.append("lora: not available: AMXINT4 experts exist only as a merge")
+            continue
+        model = expected_served_model(recipe, mode)  # type: ignore[arg-type]
+        record = kept_levers(recipe.store.root, host.machine, model) if model is not None else None
+        chosen = record.choice if record is not None else None
+        if chosen is not None:
+            lines.append(f"{mode}: {chosen.decode_tokens_per_s:.1f} tokens/s measured on this machine on "
+                         f"{record.measured_at[:10]} with {chosen.name} ({chosen.reason})")  # type: ignore[union-attr]
+        elif mode == "lora":
+            lines.append(f"lora: {model_words}")
+        else:
+            lines.append(f"merged: {model_words}: the same model, since merged serving has no measured figure on "
+                         f"this machine yet (`ktflow tune-serving RECIPE --set serving.mode=merged` measures it)")
+    lines.append(f"base: {model_words}: the same model; the base model served alone has no figure of its own")
+    mode = serving.resolved_mode
+    return [f"{text} (this recipe's mode)" if text.startswith(f"{mode}:") else text for text in lines]
 
 
 def _predict_candidate(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSize

@@ -165,7 +165,8 @@ def test_the_plan_cli_and_another_hosts_description(tmp_path: Path, monkeypatch:
 # What --json prints of a stage: the plan's model, its one-line summary left out (the default output's).
 STAGE_JSON_KEYS = {"stage", "needed", "reason", "disk_bytes", "ram_bytes", "gpu_bytes", "gpus", "seconds",
                    "step_seconds", "decode_tokens_per_s", "kt_probe", "time_basis", "candidate", "candidate_prices",
-                   "fits", "problems", "pools"}
+                   "fits", "problems", "pools", "measured_decode_tokens_per_s", "serving_settings",
+                   "serving_settings_basis", "decode_by_mode"}
 
 
 def _plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
@@ -507,7 +508,10 @@ def test_plan_has_a_serving_line_with_decode_for_sglang_recipes() -> None:
     assert serve.decode_tokens_per_s is not None and 0 < serve.decode_tokens_per_s < 10
     assert serve.time_basis.startswith("decode at concurrency 1:") and "(RAWINT4)" in serve.time_basis
     assert serve.summary == f"lora mode (set by serving.mode); ~{serve.decode_tokens_per_s:.1f} tokens/s decode at " \
-        "concurrency 1"
+        "concurrency 1 with the recipe's settings (RAWINT4, 64 threads x 2 pools, 0 GPU experts, chunks 256, graphs off)"
+    assert serve.serving_settings_basis.startswith("the recipe's serving section")
+    assert [m.split(":")[0] for m in serve.decode_by_mode] == ["lora", "merged", "base"]
+    assert serve.decode_by_mode[0].endswith("(this recipe's mode)") and "no measured figure" in serve.decode_by_mode[1]
 
 
 def test_sft_on_a_dequantized_copy_is_sized_as_its_bf16_not_as_the_source_is_stored() -> None:

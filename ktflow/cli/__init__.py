@@ -6,8 +6,8 @@ with the reason on stderr naming the file or field and the fix; 1 anything else.
 are imported only by the commands that need them, so ``doctor`` and ``--help`` are fast.
 
 The commands live in one module per group: ``pipeline`` (doctor, plan, run, demo), ``stages`` (fixture,
-inspect, download, dequantize, sft, convert-lora, quantize-int8), ``serving`` (serve, eval, adapters, promote,
-rollback) and ``orchestration`` (worker, dataset); ``_common`` holds what they share.
+inspect, download, dequantize, sft, convert-lora, quantize-int8), ``serving`` (serve, tune-serving, eval, adapters,
+promote, rollback) and ``orchestration`` (worker, dataset); ``_common`` holds what they share.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from ktflow.cli.serving import (
     cmd_promote,
     cmd_rollback,
     cmd_serve,
+    cmd_tune_serving,
 )
 from ktflow.cli.stages import (
     _print_int8,
@@ -85,7 +86,8 @@ __all__ = [
     "add_host_commands", "add_planning_commands", "add_promotion_commands", "add_run_commands", "add_serve_commands",
     "add_stage_commands", "build_parser", "cmd_adapters", "cmd_convert_lora", "cmd_dataset_publish", "cmd_demo",
     "cmd_dequantize", "cmd_doctor", "cmd_download", "cmd_eval", "cmd_fixture", "cmd_inspect", "cmd_plan",
-    "cmd_promote", "cmd_quantize_int8", "cmd_rollback", "cmd_run", "cmd_serve", "cmd_sft", "cmd_worker", "err",
+    "cmd_promote", "cmd_quantize_int8", "cmd_rollback", "cmd_run", "cmd_serve", "cmd_sft", "cmd_tune_serving",
+    "cmd_worker", "err",
     "human_bytes", "main", "out",
 ]
 

@@ -140,6 +140,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 out.print(escape(f"{s.stage}: {s.candidate}"))
             if s.candidate_prices:
                 out.print(escape(f"{s.stage}: each mode on this host: " + "; ".join(s.candidate_prices)))
+            if s.serving_settings_basis:
+                out.print(escape(f"{s.stage} settings: {s.serving_settings}: {s.serving_settings_basis}"))
+            if s.decode_by_mode:
+                out.print(escape(f"{s.stage} decode at concurrency 1 in each mode: " + "; ".join(s.decode_by_mode)))
     if recipe.store.artifacts:
         out.print("each host keeps its own store (store.artifacts: the adapter crosses through "
                   f"{recipe.store.artifacts}); disk by host: " + ", ".join(

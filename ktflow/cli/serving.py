@@ -15,6 +15,7 @@ from ktflow.cli._common import (
     _Add,
     _add_recipe,
     _load,
+    _positive_int,
     _print_json,
     _say,
     _serving_dir,
@@ -89,7 +90,83 @@ def _serve_dry_run(recipe, record_dir: Path, *, as_json: bool) -> int:
         out.print((env_text + " " if env_text else "") + shlex.join(launch.argv), markup=False, soft_wrap=True)
         for note in launch.details.get("notes", []):
             _say(f"note: {note}")
+        if launch.details.get("serving_settings"):
+            _say(str(launch.details["serving_settings"]))
     return 0
+
+
+def cmd_tune_serving(args: argparse.Namespace) -> int:
+    """Measure the serving engine's levers on this machine for the recipe's served model, choose the fastest
+    correct configuration and keep it in the store, where `ktflow serve` applies it."""
+    from ktflow.errors import InvalidInputError
+    from ktflow.host.hardware import probe_host
+    from ktflow.stages.serve import keep_levers, lever_candidates, measure_levers, resolve_api_key, server_measurement
+    from ktflow.stages.serve.lever_runs import loss_records
+    from ktflow.stages.serve.levers import served_model
+    from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
+
+    if args.store:
+        args.set = [*args.set, f"store.root={Path(args.store).absolute()}"]
+    recipe = _load(args)
+    serving = recipe.serving
+    if serving.backend != "sglang":
+        raise InvalidInputError("serving.backend", f"is '{serving.backend}'; the levers measured are sglang-kt's",
+                                "set serving.backend: sglang to tune a GPU server")
+    mode = serving.resolved_mode
+    host = probe_host(recipe.store.root)
+    source = ensure_source(recipe)
+    trained_on = ensure_training_weights(recipe, source=source)
+    model_dir, kt_weights = ensure_serving_weights(recipe, source_dir=source,
+                                                   bf16_dir=trained_on if trained_on != source else None, log=_say)
+    if args.adapter:
+        adapter = Path(args.adapter).absolute()
+    else:
+        from ktflow.stages.promotion import registry_of
+
+        production = registry_of(recipe).production_version()
+        adapter = production.adapter_dir if production is not None else _served_adapter(recipe, trained_on)
+    serving_dir = _serving_dir(recipe)
+    serving_dir.mkdir(parents=True, exist_ok=True)
+    key, _ = resolve_api_key(recipe, serving_dir)
+    records = loss_records(recipe, model_dir, args.loss_records)
+    if args.loss_records and not records:
+        _say("served loss: not measured (the dataset files or the model's tokenizer are not here)")
+    measure = server_measurement(recipe, model_dir=model_dir, adapter_dir=adapter, kt_weight_dir=kt_weights,
+                                 record_dir=serving_dir / "tune-serving", api_key=key, mode=mode,
+                                 requests=args.requests, max_tokens=args.max_tokens, records=records, log=_say)
+    record = measure_levers(recipe, lever_candidates(recipe, host, mode), measure, machine=host.machine,
+                            model=served_model(recipe, model_dir, mode),
+                            gpu=host.gpus[0].name if host.gpus else None, log=_say)
+    path = keep_levers(recipe.store.root, record)
+    if args.json:
+        _print_json({**record.model_dump(mode="json"), "path": str(path)})
+        return 0 if record.choice is not None else 1
+    _print_levers(record, recipe.name, mode)
+    out.print(f"kept in {path}; `ktflow serve` on this machine applies it where the recipe leaves a setting unset",
+              markup=False)
+    return 0 if record.choice is not None else 1
+
+
+def _print_levers(record, name: str, mode: str) -> None:
+    """The levers' table and the choice."""
+    from rich.markup import escape
+
+    table = Table(title=f"{name}: serving levers on {record.machine} ({mode} mode)", title_justify="left")
+    for column in ("lever", "decode tok/s", "vs baseline", "TTFT", "loss", "ok / why"):
+        table.add_column(column)
+    for run in record.runs:
+        m = run.measurement
+        decode = f"{m.decode_tokens_per_s:.1f}" if m is not None and m.decode_tokens_per_s else "-"
+        ttft = f"{m.ttft_p50_s:.2f} s" if m is not None and m.ttft_p50_s is not None else "-"
+        loss = f"{m.served_loss:.4f}" if m is not None and m.served_loss is not None else "-"
+        vs = f"{run.vs_baseline:.2f}x" if run.vs_baseline is not None else "-"
+        colour = "green" if run.correct else "red" if run.correct is False else "dim"
+        verdict = f"[{colour}]{escape(run.verdict)}[/]"
+        table.add_row(escape(run.candidate.name), decode, vs, ttft, loss, verdict)
+    out.print(table)
+    choice = record.choice
+    out.print(escape(f"chosen: {choice.reason}") if choice is not None else
+              "[red]nothing chosen[/]: the baseline did not serve (see its row)")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -234,13 +311,29 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def add_serve_commands(add: _Add) -> None:
-    """Serving and evaluation: serve, eval."""
+    """Serving and evaluation: serve, tune-serving, eval."""
     p = add("serve", cmd_serve, "serve the tuned model behind an OpenAI-compatible API")
     _add_recipe(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print the server's command line and environment the serve stage would start; start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print it as one JSON document")
     p.add_argument("--stop", action="store_true", help="stop the recipe's running server")
+
+    p = add("tune-serving", cmd_tune_serving,
+            "measure what each serving setting buys on this machine and keep the fastest correct one for `ktflow serve`")
+    _add_recipe(p)
+    p.add_argument("--store", metavar="DIR", help="the store to keep the measurement in (default: the recipe's "
+                   "store.root, where `ktflow serve` and `ktflow plan` look for it)")
+    p.add_argument("--adapter", metavar="DIR", help="serve this converted adapter while measuring (default: the "
+                   "production version, else the trained adapter)")
+    p.add_argument("--requests", type=_positive_int, default=3, metavar="N",
+                   help="timed chat requests a configuration, one at a time (default 3)")
+    p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
+                   help="tokens each timed request generates (default 256)")
+    p.add_argument("--loss-records", type=int, default=4, metavar="N",
+                   help="training records whose served loss each configuration reports, to catch a fast but wrong "
+                        "one (default 4; 0: none)")
+    p.add_argument("--json", action="store_true", help="print the measurement as one JSON document")
 
     p = add("eval", cmd_eval, "evaluate base vs tuned through an endpoint")
     _add_recipe(p)

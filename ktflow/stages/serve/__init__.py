@@ -49,6 +49,9 @@ The package, by what each part is for:
   and :func:`dry_run`; the backend is picked here, once (:func:`backend_for`).
 - ``needs.py``: what serving needs of a host (:func:`serve_needs`), and what judging a candidate costs in each
   mode, priced on a host, with the mode chosen from those prices (:func:`choose_candidate_mode`).
+- ``levers.py``: the engine's settings chosen by measurement, per machine: the levers to try on a host, the choice
+  of the fastest correct configuration, the record kept in the store and applied at start (``ktflow tune-serving``).
+- ``lever_runs.py``: the serve stage's own measurement of a lever: a temporary server, timed at concurrency 1.
 - ``records.py``: the endpoint record (``endpoint.json``), ports and the API key.
 - ``process.py``: start a server into its log, the readiness gate, the smoke test.
 - ``backend.py``: what a backend gives the lifecycle (:class:`Launch`) and the methods it has (:class:`Backend`).
@@ -58,11 +61,22 @@ The package, by what each part is for:
   adapter API (``adapters.py``: plain SGLang's no-downtime swap, a candidate beside production).
 
 Imports go one way: the backends import ``backend``, ``records`` and ``process``; ``lifecycle`` imports the
-backends and ``needs``; nothing here imports ``lifecycle`` but this ``__init__``, which re-exports the names
-callers use.
+backends, ``needs`` and ``levers``; nothing here imports ``lifecycle`` but ``lever_runs`` (which starts its servers)
+and this ``__init__``, which re-exports the names callers use.
 """
 
 from ktflow.stages.serve.backend import Backend, Launch
+from ktflow.stages.serve.lever_runs import server_measurement
+from ktflow.stages.serve.levers import (
+    LeverCandidate,
+    LeverMeasurement,
+    ServingLevers,
+    apply_measured_levers,
+    keep_levers,
+    kept_levers,
+    lever_candidates,
+    measure_levers,
+)
 from ktflow.stages.serve.lifecycle import backend_for, dry_run, serve, stop, swap_adapter, temporary_server
 from ktflow.stages.serve.llamafactory import INFER_YAML, render_llamafactory_api
 from ktflow.stages.serve.needs import (
@@ -104,8 +118,11 @@ from ktflow.stages.serve.sglang.adapters import LoadedAdapter, SglangAdapters, d
 
 __all__ = [
     "API_KEY_FILE", "AdapterRef", "Backend", "CandidateChoice", "CandidatePrice", "ENDPOINT_FILE", "Endpoint",
-    "FailedSwap", "INFER_YAML", "LLAMAFACTORY_KEY_ENV", "Launch", "LoadedAdapter", "MIN_KEY_LENGTH", "SERVER_LOG",
-    "SERVER_MARKER", "SMOKE_PROMPT", "ServeSizes", "SglangAdapters", "adapter_model_name", "api_key_for",
+    "FailedSwap", "INFER_YAML", "LLAMAFACTORY_KEY_ENV", "Launch", "LeverCandidate", "LeverMeasurement",
+    "LoadedAdapter", "MIN_KEY_LENGTH", "SERVER_LOG",
+    "SERVER_MARKER", "SMOKE_PROMPT", "ServeSizes", "ServingLevers", "SglangAdapters", "adapter_model_name",
+    "api_key_for", "apply_measured_levers", "keep_levers", "kept_levers", "lever_candidates", "measure_levers",
+    "server_measurement",
     "backend_for", "base_url", "candidate_needs", "candidate_prices", "choose_candidate_mode", "client_host",
     "dry_run", "dynamic_adapter", "free_port", "is_alive", "label_endpoint_version", "measure_serve",
     "port_is_free", "port_is_open", "read_endpoint", "render_llamafactory_api", "resolve_api_key", "serve",

@@ -31,7 +31,8 @@ from ktflow.host.process import (
 )
 from ktflow.recipe import Recipe
 from ktflow.resources import preflight
-from ktflow.stages.serve.backend import Backend, Launch, ServeMode
+from ktflow.stages.serve.backend import Backend, Launch, Log, ServeMode
+from ktflow.stages.serve.levers import recipe_with_measured_levers, served_model
 from ktflow.stages.serve.llamafactory import BACKEND as LLAMAFACTORY
 from ktflow.stages.serve.needs import measure_serve, serve_needs
 from ktflow.stages.serve.process import _reap_marked, smoke_test, start_server
@@ -74,7 +75,7 @@ def _start_endpoint(
     recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, record_dir: Path, api_key: str,
     key_file: Path | None, port: int, previous: AdapterRef | None, last_failed_swap: FailedSwap | None,
     log: Callable[[str], None] | None, die_with_parent: bool, kt_weight_dir: Path | None = None,
-    host: HostInfo | None = None, mode: ServeMode = "lora",
+    host: HostInfo | None = None, mode: ServeMode = "lora", serving_settings: str | None = None,
 ) -> Endpoint:
     serving = recipe.serving
     if not port_is_free(serving.host, port):
@@ -97,7 +98,7 @@ def _start_endpoint(
         adapter_manifest_digest=manifest.digest() if manifest is not None else None, started_at=_now(),
         state="starting", host=serving.host, port=port, run_id=uuid.uuid4().hex, infer_config=launch.infer_path,
         api_key_env=serving.api_key_env, api_key_file=key_file, previous=previous, last_failed_swap=last_failed_swap,
-        merged_dir=launch.merged_dir,
+        merged_dir=launch.merged_dir, serving_settings=serving_settings,
     )
     if log:
         how = "merged into the weights" if launch.merged_dir is not None else "as a LoRA adapter"
@@ -161,6 +162,16 @@ def _smoke_or_stop(proc: subprocess.Popen, endpoint: Endpoint, api_key: str, mod
         log(f"{endpoint.url} ready; smoke test answered in {smoke['seconds']} s")
 
 
+def _with_measured_levers(recipe: Recipe, model_dir: Path, host: HostInfo, mode: ServeMode,
+                          log: Log) -> tuple[Recipe, str | None]:
+    """``recipe`` with the serving settings ``ktflow tune-serving`` measured on this machine for this model and mode
+    (where the recipe leaves them unset), and the line that says so (logged)."""
+    recipe, line = recipe_with_measured_levers(recipe, host.machine, served_model(recipe, model_dir, mode))
+    if line and log:
+        log(line)
+    return recipe, line
+
+
 def _forget(record_dir: Path, endpoint: Endpoint) -> None:
     """Remove the record if it still names ``endpoint``'s run (a failed start leaves none)."""
     current = read_endpoint(record_dir)
@@ -182,6 +193,7 @@ def serve(
     kt_weight_dir: Path | None = None,
     host: HostInfo | None = None,
     mode: ServeMode | None = None,
+    measured_settings: bool = True,
 ) -> Endpoint:
     """Start the recipe's endpoint and record it in ``record_dir/endpoint.json``.
 
@@ -204,6 +216,8 @@ def serve(
         mode: ``merged`` (sglang): the adapter folded into the weights by the merge stage (made once, cached in
             the store) and served with no LoRA flags; ``lora``: the base weights with the adapter through KT's
             LoRA path. Default: the recipe's (``serving.mode``).
+        measured_settings: apply the serving settings ``ktflow tune-serving`` kept for this machine, model and mode
+            to the fields the recipe leaves unset (:mod:`ktflow.stages.serve.levers`); off while measuring them.
 
     Raises:
         KtflowError: the backend is not llamafactory, or an endpoint is already running here.
@@ -226,13 +240,18 @@ def serve(
     model_dir = _check_model_dir(model_dir)
     if adapter_dir is not None:
         adapter_dir = backend.check_adapter(adapter_dir, model_dir=model_dir, validate=validate)
+    mode = mode or recipe.serving.resolved_mode
+    settings = None
+    if measured_settings and backend is SGLANG:
+        recipe, settings = _with_measured_levers(recipe, model_dir, host or hardware.probe_host(recipe.store.root),
+                                                 mode, log)
     host = preflight("serve", serve_needs(recipe, measure_serve(model_dir, kt_weight_dir)), record_dir, host=host)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     return _start_endpoint(
         recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=key, key_file=key_file,
         port=port if port is not None else _recipe_port(recipe, log), previous=None, last_failed_swap=None, log=log,
-        die_with_parent=die_with_parent, kt_weight_dir=kt_weight_dir, host=host,
-        mode=mode or recipe.serving.resolved_mode,
+        die_with_parent=die_with_parent, kt_weight_dir=kt_weight_dir, host=host, mode=mode,
+        serving_settings=settings,
     )
 
 
@@ -287,6 +306,10 @@ def swap_adapter(
         raise KtflowError(f"no endpoint is recorded in {record_dir}; start one with serve() first")
     model_dir = _check_model_dir(model_dir)
     backend = backend_for(recipe)
+    settings = None
+    if backend is SGLANG:
+        recipe, settings = _with_measured_levers(recipe, model_dir, hardware.probe_host(recipe.store.root),
+                                                 recipe.serving.resolved_mode, log)
     new_adapter_dir = backend.check_adapter(new_adapter_dir, model_dir=model_dir, validate=validate)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     good, good_previous = _last_good(current, record_dir)
@@ -301,7 +324,8 @@ def swap_adapter(
         log(f"swapping {good.adapter_dir} -> {new_adapter_dir} on port {port}")
     stop(record_dir)
     common = dict(model_dir=model_dir, record_dir=record_dir, api_key=key, key_file=key_file, port=port, log=log,
-                  die_with_parent=False, kt_weight_dir=kt_weight_dir, mode=recipe.serving.resolved_mode)
+                  die_with_parent=False, kt_weight_dir=kt_weight_dir, mode=recipe.serving.resolved_mode,
+                  serving_settings=settings)
     try:
         return _start_endpoint(recipe, adapter_dir=new_adapter_dir, previous=good, last_failed_swap=None, **common)
     except (KtflowError, OSError) as exc:
@@ -341,18 +365,22 @@ def _last_good(current: Endpoint, record_dir: Path) -> tuple[AdapterRef, Adapter
 @contextlib.contextmanager
 def temporary_server(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, api_key: str, record_dir: Path,
                      what: str, log: Callable[[str], None] | None,
-                     kt_weight_dir: Path | None = None) -> Iterator[Endpoint]:
+                     kt_weight_dir: Path | None = None, mode: ServeMode = "lora",
+                     measured_settings: bool = True) -> Iterator[Endpoint]:
     """A server of ``model_dir`` (with ``adapter_dir``) on a free port for the length of the block:
     same key, bound like the recipe's endpoint, started with ``die_with_parent`` (it never outlives
     the block, even when we are killed), stopped on the way out. sglang: a second sglang-kt
     process (its own copy of the CPU experts from ``kt_weight_dir``) beside production's, through KT's LoRA path
-    whatever ``serving.mode`` says: judging a candidate costs no merge."""
+    by default whatever ``serving.mode`` says: judging a candidate costs no merge. ``mode`` ``merged`` serves the
+    merge stage's weights instead (measuring the engine's levers, :mod:`ktflow.stages.serve.lever_runs`);
+    ``measured_settings``: as :func:`serve`'s."""
     try:
         port = free_port(recipe.serving.host)
         if log:
             log(f"starting a {what} server on port {port}")
         yield serve(recipe, model_dir=model_dir, adapter_dir=adapter_dir, record_dir=record_dir, api_key=api_key,
-                    port=port, log=log, die_with_parent=True, kt_weight_dir=kt_weight_dir, mode="lora")
+                    port=port, log=log, die_with_parent=True, kt_weight_dir=kt_weight_dir, mode=mode,
+                    measured_settings=measured_settings)
     finally:
         stop(record_dir)
 
@@ -373,7 +401,13 @@ def dry_run(recipe: Recipe, *, model_dir: Path, adapter_dir: Path | None, kt_wei
                                   for i in range(recipe.serving.gpus)],
             "physical_cores": max(here.physical_cores, recipe.serving.kt_cpuinfer or 0),
         })
-    return backend_for(recipe).launch(recipe, model_dir=Path(model_dir).absolute(), adapter_dir=adapter_dir,
-                                      kt_weight_dir=kt_weight_dir, record_dir=Path(record_dir).absolute(),
-                                      port=recipe.serving.port, host=host, log=None, dry_run=True,
-                                      mode=recipe.serving.resolved_mode)
+    settings = None
+    if recipe.serving.backend == "sglang":
+        recipe, settings = _with_measured_levers(recipe, Path(model_dir), host, recipe.serving.resolved_mode, None)
+    launch = backend_for(recipe).launch(recipe, model_dir=Path(model_dir).absolute(), adapter_dir=adapter_dir,
+                                        kt_weight_dir=kt_weight_dir, record_dir=Path(record_dir).absolute(),
+                                        port=recipe.serving.port, host=host, log=None, dry_run=True,
+                                        mode=recipe.serving.resolved_mode)
+    if settings:
+        launch.details["serving_settings"] = settings
+    return launch

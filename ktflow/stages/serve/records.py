@@ -70,6 +70,7 @@ class Endpoint(BaseModel):
     last_failed_swap: FailedSwap | None = None
     adapter_version: int | None = None  # the recipe's adapter version it serves (ktflow.registry), once promoted
     merged_dir: Path | None = None  # the merge of adapter_dir it serves (serving.mode merged); None: the LoRA path
+    serving_settings: str | None = None  # the measured settings applied at start (ktflow tune-serving), said
 
     @property
     def model(self) -> str:
