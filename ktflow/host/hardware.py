@@ -156,6 +156,12 @@ def variant_at_least(variant: str, minimum: str) -> bool:
     return ranks[variant] <= ranks[minimum]
 
 
+def physical_cores() -> int:
+    """This machine's physical cores (its logical CPUs where psutil cannot tell): the default worker count of
+    the CPU-bound stages, each worker one torch thread."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 def parse_cpuinfo(text: str) -> tuple[str, list[str], int | None]:
     """Parse ``/proc/cpuinfo`` text into ``(model_name, flags, physical_cores)``.
 

@@ -61,6 +61,7 @@ from ktflow.formats.safetensors_io import (
     holds_planned_tensors,
     read_tensor,
 )
+from ktflow.host.hardware import physical_cores
 from ktflow.host.process import single_thread_torch
 from ktflow.resources import DEQUANTIZE_STAGE, DiskNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -380,7 +381,7 @@ def _work(job: _Job, staging: Path) -> None:
         else:
             jobs.append(_ShardJob(job.ckpt, shard, plan, final, job.fsync, job.identity))
     with single_thread_torch():
-        _run_jobs(jobs, job.request.workers or _physical_cores(), advance)
+        _run_jobs(jobs, job.request.workers or physical_cores(), advance)
     src = job.ckpt.path
     config = _strip_quantization_config(json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")))
     atomic_write_json(staging / CONFIG_NAME, config, fsync=job.fsync)
@@ -468,12 +469,6 @@ class _Advance:
             self.done += n
             current = self.done
         self.report(current, self.total)
-
-
-def _physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def _complete(path: Path, plan: list[_OutTensor]) -> bool:

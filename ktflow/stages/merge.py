@@ -69,6 +69,7 @@ from ktflow.formats.safetensors_io import (
     read_header,
     read_tensor,
 )
+from ktflow.host.hardware import physical_cores
 from ktflow.host.process import single_thread_torch
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
@@ -306,7 +307,7 @@ class MergeSizes(BaseModel):
 
 def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
     """The host's CPU (kt-kernel formats), RAM for a few tensors per worker (or one MoE layer), disk for the output."""
-    workers = request.workers or 2
+    workers = request.workers or physical_cores()
     if sizes.method in KT_METHODS:
         ram = sizes.layer_bf16_bytes + 2 * sizes.layer_quant_bytes + _DRIVER_BASE_BYTES
         why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts + its quantized form in "
@@ -539,7 +540,7 @@ def _check_unchanged(job: _Job) -> None:
 
 
 def _work(job: _Job, staging: Path) -> None:
-    workers = job.request.workers or 2
+    workers = job.request.workers or job.host.physical_cores
     shards = list(job.plans.items())
     kt_layers = len(job.layout.layers) if job.layout is not None else 0
     total = len(shards) + kt_layers
@@ -763,7 +764,7 @@ def merge_adapter(
         threadpool_count: kt-kernel formats: T, its NUMA thread pools (serve with the same
             ``--kt-threadpool-count``).
         serve_python: kt-kernel formats: the serving toolchain's python (kt-kernel 0.7.2).
-        workers: tensors merged at once (default 2); kt-kernel formats: its CPU threads (default:
+        workers: tensors merged at once (default: physical cores); kt-kernel formats: its CPU threads (default:
             physical cores).
         verify_layers, max_rel_err: kt-kernel formats: MoE layers checked through kt-kernel's own
             forward against a float64 MoE of the merged BF16 experts, and the bound (default 0.05 for
