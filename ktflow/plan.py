@@ -245,7 +245,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
             recipe = _serving_settings(line, recipe, host)
             serving = recipe.serving
             decode = serve_decode_estimate(size, str(serving.kt_method), serving.kt_cpuinfer or host.physical_cores,
-                                           costs)
+                                           costs, mode=serving.resolved_mode)
             if decode is not None:
                 line.decode_tokens_per_s = decode.tokens_per_s
                 line.time_basis = decode.basis
@@ -329,17 +329,23 @@ def _serving_settings(line: StageEstimate, recipe: Recipe, host: HostInfo) -> Re
 
 def _decode_by_mode(recipe: Recipe, host: HostInfo, size: ModelSize, costs: CostModel,
                     line: StageEstimate) -> list[str]:
-    """Each serving mode's expected decode at concurrency 1 on ``host``, and why: the one decode model (fitted on
-    KT's LoRA path with CUDA graphs off) for every mode, a measurement on this machine where one is kept."""
+    """Each serving mode's expected decode at concurrency 1 on ``host``, and why: the decode model of that mode
+    (KT's LoRA path with CUDA graphs off; merged weights and the base model without LoRA flags, graphs on), a
+    measurement on this machine where one is kept."""
     from ktflow.recipe.serving import MERGED_METHODS
     from ktflow.stages.serve.levers import expected_served_model, kept_levers
 
     serving = recipe.serving
     method = str(serving.kt_method)
     threads = serving.kt_cpuinfer or host.physical_cores
-    estimate = serve_decode_estimate(size, method, threads, costs)
-    model_words = (f"~{estimate.tokens_per_s:.1f} tokens/s, the decode model (fitted on KT's LoRA path, CUDA graphs "
-                   "off)" if estimate is not None else "no estimate (the model's experts are not known)")
+
+    def predicted(mode: str) -> str:
+        estimate = serve_decode_estimate(size, method, threads, costs, mode=mode)
+        if estimate is None:
+            return "no estimate (the model's experts are not known)"
+        how = "KT's LoRA path, CUDA graphs off" if mode == "lora" else "no LoRA flags, CUDA graphs on"
+        return f"~{estimate.tokens_per_s:.1f} tokens/s predicted ({how}; the decode model of this mode)"
+
     lines = []
     for mode in ("lora", "merged"):
         if mode == "merged" and method not in MERGED_METHODS:
@@ -355,11 +361,11 @@ def _decode_by_mode(recipe: Recipe, host: HostInfo, size: ModelSize, costs: Cost
             lines.append(f"{mode}: {chosen.decode_tokens_per_s:.1f} tokens/s measured on this machine on "
                          f"{record.measured_at[:10]} with {chosen.name} ({chosen.reason})")  # type: ignore[union-attr]
         elif mode == "lora":
-            lines.append(f"lora: {model_words}")
+            lines.append(f"lora: {predicted('lora')}")
         else:
-            lines.append(f"merged: {model_words}: the same model, since merged serving has no measured figure on "
-                         f"this machine yet (`ktflow tune-serving RECIPE --set serving.mode=merged` measures it)")
-    lines.append(f"base: {model_words}: the same model; the base model served alone has no figure of its own")
+            lines.append(f"merged: {predicted('merged')}; not measured on this machine yet "
+                         f"(`ktflow tune-serving RECIPE --set serving.mode=merged` measures it)")
+    lines.append(f"base: {predicted('base')}: the base model served as merged weights are")
     mode = serving.resolved_mode
     return [f"{text} (this recipe's mode)" if text.startswith(f"{mode}:") else text for text in lines]
 

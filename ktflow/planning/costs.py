@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ktflow.planning.sizing import ModelSize, kt_share_backward_bb
 from ktflow.recipe import SftConfig
@@ -89,16 +89,20 @@ class CostModel(BaseModel):
     # Fitted on the tiny recipes on 2 x H200 (BF16 0.61x, RAWINT4 0.65x); checked on the 57B bigger-than-GPU
     # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (benchmarks/data/multi-gpu).
     kt_multi_gpu_speed: float = 0.63
-    # Serving (sglang-kt, KT CPU experts, a KT LoRA adapter, CUDA graphs off, triton attention): one sequence's
-    # decode at concurrency 1 costs, a token, a fixed time per MoE layer (KT's per-layer hand-off, the layer's GPU
-    # kernels launched one by one) plus a multiple of its *decode floor* (the routed experts one token activates,
-    # as the method stores them, read once at the host's read bandwidth). Fitted on the two runs of one device
-    # call, exactly (two points, two constants; no run checks them): the bigger-than-GPU Kimi-format model with
-    # its adapter on the 4 x H200 host (64 AMX cores, 149.7 / 148.1 GB/s read measured in the same call), 7 MoE
-    # layers, top-8: RAWINT4 1.39 GB a token, 91.8 ms; AMXINT8 2.47 GB, 101.0 ms (benchmarks/data/
-    # bigger-than-gpu-served, 3 requests each; those requests stopped at EOS after 3-50 tokens).
-    serve_decode_layer_s: float = 0.01147
-    serve_decode_floors: float = 1.243
+    # Serving (sglang-kt, KT CPU experts, triton attention): one sequence's decode at concurrency 1 costs, a token, a
+    # fixed time, a time per MoE layer (KT's per-layer hand-off, the layer's GPU kernels) and a multiple of its
+    # *decode floor* (the routed experts one token activates, as the method stores them, read once at the host's
+    # read bandwidth), by serving mode: "lora" (KT's LoRA path: CUDA graphs forced off, the experts' SFT kernel)
+    # and "merged" (the adapter merged into the weights, CUDA graphs on; the base model served the same way).
+    # benchmarks/serve_decode_model.py fits them (benchmarks/data/merged-serving/decode-model.json). lora, exactly:
+    # the Kimi-K2.5 slice at 1 and 3 MoE layers on H100 + 16-core hosts (22.3 and 43.7 ms) and the bigger-than-GPU
+    # model's AMXINT8 run on the 4 x H200 host (7 MoE layers, 101.0 ms); its RAWINT4 run (91.8 ms), not used,
+    # measured 1.07x the fit. merged: the floors' multiple shared with lora (the same bytes read), fitted on the
+    # merged slice at 1 MoE layer (14.7 ms) and the base slice at 2 MoE layers with CUDA graphs on (23.0 ms, an
+    # earlier run on another machine of the kind); the base slice at 1 MoE layer, not used, measured 1.03x the fit.
+    serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00987, "merged": 0.00649})
+    serve_decode_layer_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00818, "merged": 0.00381})
+    serve_decode_floors: float = 2.031
     # The highest read bandwidth measured on any host (GB/s; the 64-core host above): the power law of
     # kt_read_gb_s is not extended past it for serving (read bandwidth saturates; 98 / 144 / 138 GB/s at
     # 16 / 32 / 64 threads on that host).
@@ -135,27 +139,37 @@ class DecodeEstimate(BaseModel):
     read_gb_s: float  # the host's read bandwidth at the serving threads, as the plan models it
     threads: int
     floor_tokens_per_s: float  # reading those bytes once a token, nothing else
-    tokens_per_s: float  # per MoE layer cost + a multiple of the floor (CostModel's serve_decode_*)
+    tokens_per_s: float  # a fixed and a per-MoE-layer cost + a multiple of the floor (CostModel's serve_decode_*)
     basis: str
 
 
+SERVE_DECODE_MODES = {"lora": "lora", "merged": "merged", "base": "merged"}
+"""Serving modes and the decode constants each uses: the base model is served as merged weights are (graphs on)."""
+
+
 def serve_decode_estimate(size: ModelSize, method: str, threads: int,
-                          costs: CostModel | None = None) -> DecodeEstimate | None:
-    """Decode tokens/s of one sequence served with KT CPU experts."""
+                          costs: CostModel | None = None, mode: str = "lora") -> DecodeEstimate | None:
+    """Decode tokens/s of one sequence served with KT CPU experts, in serving ``mode`` (``lora``, ``merged`` or
+    ``base``)."""
     costs = costs or COSTS
     if method not in SERVE_BYTES_PER_PARAM or not size.moe_layers or not size.routed_experts:
         return None
+    fit = SERVE_DECODE_MODES[mode]
     per_expert = size.expert_parameters / size.moe_layers / size.routed_experts
     active = int(size.moe_layers * size.experts_per_token * per_expert * SERVE_BYTES_PER_PARAM[method])
     read = min(host_rate(costs.kt_read_gb_s, threads), costs.serve_read_gb_s_ceiling)
     floor = read * 1e9 / max(active, 1)
-    seconds = size.moe_layers * costs.serve_decode_layer_s + costs.serve_decode_floors / floor
+    token_s, layer_s = costs.serve_decode_token_s[fit], costs.serve_decode_layer_s[fit]
+    seconds = token_s + size.moe_layers * layer_s + costs.serve_decode_floors / floor
     rate = 1 / seconds
-    basis = (f"decode at concurrency 1: {active / 1e9:.2f} GB of routed experts a token ({method}) read at "
-             f"{read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s predicted "
-             f"({size.moe_layers} MoE layers x {costs.serve_decode_layer_s * 1e3:.1f} ms + "
-             f"{costs.serve_decode_floors:.2f} floors a token: fitted on the 57B model's two runs on the 4 x H200 host, "
-             "CUDA graphs off; not checked on another host or model; benchmarks/data/bigger-than-gpu-served)")
+    how = ("KT's LoRA path, CUDA graphs off" if fit == "lora" else
+           "no LoRA flags (merged weights or the base model), CUDA graphs on")
+    basis = (f"decode at concurrency 1, {mode} ({how}): {active / 1e9:.2f} GB of routed experts a token ({method}) "
+             f"read at {read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s "
+             f"predicted ({token_s * 1e3:.1f} ms + {size.moe_layers} MoE layers x {layer_s * 1e3:.1f} ms + "
+             f"{costs.serve_decode_floors:.2f} floors a token: fitted on Kimi-K2.5 slices of 1 to 3 MoE layers and "
+             "a 7-MoE-layer model, checked on one run each not used to fit; "
+             "benchmarks/data/merged-serving/decode-model.json)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
                           floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
                           basis=basis)
