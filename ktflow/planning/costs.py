@@ -85,6 +85,12 @@ class CostModel(BaseModel):
     # reads BF16 experts at 0.14 GB/s per core (2-core box: 1.61 GB in 5.65 s); README's figures.
     dequantize_bytes_per_s: float = 2.5e9
     quantize_bytes_per_core_s: float = 0.14e9
+    # The merge stage re-encoding Kimi INT4 experts with their LoRA merged (decode, float64 W += B @ A, the INT4 scale
+    # search, encode), bytes of the experts' BF16 a core-second: one timed merge, the Kimi-K2.5 slice at 1 MoE layer
+    # (33.8 GB of expert BF16, 118.8 s on 16 cores of an H100 host's AMX Xeon, every expert with LoRA, its 15.6 GB
+    # written at dequantize's rate; benchmarks/data/merged-serving/serving/merge-RAWINT4.json). Not checked on
+    # another run.
+    merge_int4_bytes_per_core_s: float = 18.8e6
     # KT SFT on several GPUs (sft.gpus > 1, the recipe's batch split over them): tokens/s relative to one GPU.
     # Fitted on the tiny recipes on 2 x H200 (BF16 0.61x, RAWINT4 0.65x); checked on the 57B bigger-than-GPU
     # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (benchmarks/data/multi-gpu).

@@ -1,10 +1,10 @@
 """What the merge stage costs a host, by output method: time, disk and peak RAM, from a model's size.
 
-No merge has been timed on the reference host yet, so its rates are the closest stages' measured ones
-(:class:`~ktflow.planning.costs.CostModel`): writing a BF16 or INT4 checkpoint runs at the dequantize stage's
-durable write rate (the same streaming writer; the merge's float64 product of a rank-r LoRA is small next to
-the write), and handing experts to kt-kernel's quantizer at quantize-int8's per-core rate (the same driver,
-which now also merges each expert before quantizing). Replace these with a measured fit once merges are timed.
+The INT4 re-encode (RAWINT4) runs at its own measured per-core rate (``CostModel.merge_int4_bytes_per_core_s``,
+one timed merge); the other rates are the closest stages' measured ones (:class:`~ktflow.planning.costs.CostModel`):
+writing a BF16 or INT4 checkpoint at the dequantize stage's durable write rate (the same streaming writer; the
+merge's float64 product of a rank-r LoRA is small next to the write), and handing experts to kt-kernel's quantizer
+at quantize-int8's per-core rate (the same driver, which also merges each expert before quantizing).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ktflow.planning.sizing import ModelSize
 from ktflow.units import GB, GiB
 
 _RUNTIME_BYTES = GiB  # python + torch (+ kt-kernel): the merge's own footprint
-_WORKERS = 2  # the stage's default tensors in flight
+_WORKER_BYTES_PER_PARAM = 8 + 2 + 4  # one expert weight in float64 (the merge), BF16 and float32 (the encoder)
 
 
 class MergeEstimate(BaseModel):
@@ -40,21 +40,25 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
     layers = max(size.moe_layers, 1)
     expert_bf16 = 2 * size.expert_parameters
     non_expert_bf16 = 2 * size.non_expert_parameters
-    embedding = 2 * size.vocab_size * size.hidden_size  # the largest single tensor a worker holds
+    embedding = 2 * size.vocab_size * size.hidden_size  # the largest single tensor a worker holds (copied)
+    matrix = size.expert_parameters // max(layers * size.routed_experts * 3, 1)  # one expert projection
+    # the stage runs a worker a core: the embedding copied (read and written) beside one expert weight a core
+    in_flight = 2 * embedding + cores * matrix * _WORKER_BYTES_PER_PARAM
     write_rate = costs.dequantize_bytes_per_s
     quant_rate = costs.quantize_bytes_per_core_s * cores
     if method == "BF16":
         disk = expert_bf16 + non_expert_bf16
         seconds = disk / write_rate
-        ram = _WORKERS * 3 * embedding + _RUNTIME_BYTES
+        ram = in_flight + _RUNTIME_BYTES
         basis = f"{disk / GB:.0f} GB of BF16 written at {write_rate / GB:.1f} GB/s (dequantize's rate)"
     elif method == "RAWINT4":
         disk = size.stored_bytes
-        seconds = disk / write_rate + expert_bf16 / quant_rate
-        ram = _WORKERS * 3 * embedding + _RUNTIME_BYTES
+        encode_rate = costs.merge_int4_bytes_per_core_s
+        seconds = disk / write_rate + expert_bf16 / (encode_rate * cores)
+        ram = in_flight + _RUNTIME_BYTES
         basis = (f"{disk / GB:.0f} GB written at {write_rate / GB:.1f} GB/s (dequantize's rate) + the experts' "
-                 f"{expert_bf16 / GB:.0f} GB of BF16 re-quantized at {costs.quantize_bytes_per_core_s / GB:.2f} GB/s "
-                 "a core (quantize-int8's rate)")
+                 f"{expert_bf16 / GB:.0f} GB of BF16 merged and re-encoded as INT4 at {encode_rate / 1e6:.1f} MB/s a "
+                 f"core x {cores} (one timed merge: the Kimi-K2.5 slice on a 16-core host)")
     elif method in ("AMXINT8", "AMXINT4"):
         bits = 8 if method == "AMXINT8" else 4
         # per output row one fp32 scale: ~4 bytes per moe_intermediate (or hidden) weights, under 1 %
@@ -70,4 +74,5 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
     else:
         raise ValueError(f"unknown merge method {method!r}")
     return MergeEstimate(method=method, seconds=seconds, disk_bytes=int(disk), ram_bytes=int(ram),
-                         basis=basis + "; derived from other stages' measured rates, no merge timed yet")
+                         basis=basis + ("" if method == "RAWINT4" else
+                                        "; derived from other stages' measured rates, no merge of this method timed"))

@@ -205,6 +205,15 @@ class _Item:
             total += n
         return total
 
+    @property
+    def worker_bytes(self) -> int:
+        """What a worker holds while making this item: a copy its tensors twice (read, written); a merge or an
+        INT4 weight its float64 product (W += B @ A) beside the BF16 weight and the encoder's float32 rows."""
+        if self.kind == "copy":
+            return 2 * self.nbytes
+        rows, cols = self.outputs[0][2][0], self.outputs[0][2][-1] * (8 if self.kind == "reencode" else 1)
+        return rows * cols * (8 + 2 + 4)
+
 
 _Base = CheckpointTensors  # the base checkpoint: headers on demand, one tensor read at a time
 
@@ -301,6 +310,7 @@ class MergeSizes(BaseModel):
     tensors: int
     other_bytes: int  # config, tokenizer and other files copied
     largest_tensor_bytes: int  # one weight, as a worker holds it
+    in_flight_bytes: int = 0  # what the workers hold at once at most: the ``workers`` largest items' worker_bytes
     layer_bf16_bytes: int = 0  # kt-kernel formats: one MoE layer's experts in BF16 (the driver's buffers)
     layer_quant_bytes: int = 0  # ... and quantized
 
@@ -314,9 +324,10 @@ def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
                "kt-kernel and its scratch + ~1 GiB for python, torch and kt-kernel")
         host: HostRequirement | None = _AMX_CPU
     else:
-        # a worker holds a weight as read, its float64 merge rows and the result
-        ram = workers * 3 * sizes.largest_tensor_bytes + _BASE_BYTES
-        why = f"{workers} worker(s) x a {sizes.largest_tensor_bytes / GiB:.2f} GiB weight, three copies + ~1 GiB of runtime"
+        # each worker holds one item: a weight as read, its float64 merge and the result
+        ram = (sizes.in_flight_bytes or workers * 3 * sizes.largest_tensor_bytes) + _BASE_BYTES
+        why = (f"{workers} worker(s), each holding one weight, its float64 merge and the result "
+               f"({ram / GiB - _BASE_BYTES / GiB:.2f} GiB at most at once) + ~1 GiB of runtime")
         host = None
     return Resources(
         host=host,
@@ -466,6 +477,8 @@ def _measure(job: _Job, resumed: Path | None) -> MergeSizes:
                       other_bytes=other,
                       largest_tensor_bytes=max((item.nbytes for items in job.plans.values() for item in items),
                                                default=0),
+                      in_flight_bytes=sum(sorted((item.worker_bytes for items in job.plans.values() for item in items),
+                                                 reverse=True)[:job.request.workers or physical_cores()]),
                       layer_bf16_bytes=layer_bf16, layer_quant_bytes=layer_quant)
 
 
@@ -540,7 +553,7 @@ def _check_unchanged(job: _Job) -> None:
 
 
 def _work(job: _Job, staging: Path) -> None:
-    workers = job.request.workers or job.host.physical_cores
+    workers = job.request.workers or physical_cores()
     shards = list(job.plans.items())
     kt_layers = len(job.layout.layers) if job.layout is not None else 0
     total = len(shards) + kt_layers
