@@ -191,8 +191,10 @@ def _words(text: str) -> str:
 
 def test_the_plan_prints_a_table_and_a_line_a_stage_and_every_problem_in_full(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = plan_recipe(load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"store.root={tmp_path}"]), _host())
-    code, text = _plan_cli(tmp_path, capsys, monkeypatch)
+    # KT's LoRA path: no merge line to widen the table past 80 columns (the recipe ships merged)
+    plan = plan_recipe(load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"store.root={tmp_path}",
+                                                                              "serving.mode=lora"]), _host())
+    code, text = _plan_cli(tmp_path, capsys, monkeypatch, "--set", "serving.mode=lora")
     assert code == 2
     lines = text.splitlines()
     header = [line.split("┃")[1:-1] for line in lines if line.startswith("┃")]
@@ -511,7 +513,7 @@ def test_serving_decode_model_is_the_fit_of_its_runs_and_checks_on_the_run_left_
 
 
 def test_plan_has_a_serving_line_with_decode_for_sglang_recipes() -> None:
-    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.kt_cpuinfer=64"])
+    recipe = load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", ["serving.kt_cpuinfer=64", "serving.mode=lora"])
     host = _host(gpus=4, ram_gib=2048, disk_gib=4096, cores=64)
     serve = next(s for s in plan_recipe(recipe, host).stages if s.stage == "serve")
     assert serve.decode_tokens_per_s is not None and 0 < serve.decode_tokens_per_s < 10

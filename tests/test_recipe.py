@@ -320,7 +320,14 @@ def test_extra_args_cannot_override_owned_arguments() -> None:
     ],
 )
 def test_sglang_rules(override: str, expected: str) -> None:
-    assert expected in rejected("kimi-k2.5-rawint4.yaml", override)
+    """KT's LoRA path's rules, on the Kimi recipe served through it (it ships merged)."""
+    assert expected in rejected("kimi-k2.5-rawint4.yaml", "serving.mode=lora", override)
+
+
+def test_the_kimi_recipe_serves_merged_and_the_lora_path_turns_graphs_off() -> None:
+    merged = load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml")
+    assert merged.serving.resolved_mode == "merged" and merged.serving.disable_cuda_graph is False
+    assert load_recipe(RECIPES / "kimi-k2.5-rawint4.yaml", ["serving.mode=merged", "serving.kt_num_gpu_experts=4"])
 
 
 def test_sglang_needs_a_method() -> None:

@@ -75,10 +75,12 @@ def test_the_whole_models_share_of_the_card_by_hand() -> None:
 
 
 def test_levers_on_a_one_node_host_without_amx() -> None:
-    recipe = load_recipe(KIMI, ["serving.mode=merged"])
+    recipe = load_recipe(KIMI, ["serving.mode=merged", "serving.disable_cuda_graph=true"])
     found = _by_name(lever_candidates(recipe, _host(cores=16)))
     assert list(found)[0] == BASELINE and found[BASELINE].updates == {"mode": "merged"}
-    assert found["cuda-graphs-on"].updates["disable_cuda_graph"] is False  # the recipe has them off
+    assert found["cuda-graphs-on"].updates["disable_cuda_graph"] is False  # the recipe has them off here
+    shipped = _by_name(lever_candidates(load_recipe(KIMI), _host(cores=16)))  # merged, graphs on as shipped
+    assert shipped["cuda-graphs-off"].updates["disable_cuda_graph"] is True
     assert found["deferral-1"].status == found["deferral-2"].status == "run"
     gpu = found["gpu-experts-36"]
     assert gpu.status == "run" and gpu.updates["kt_num_gpu_experts"] == 36 and "36 of 384" in gpu.why
@@ -107,7 +109,7 @@ def test_levers_on_a_two_node_amx_host_and_a_refused_one() -> None:
                                     _host(variant="amx")))
     assert amx["gpu-experts"].status == "skipped" and "CPU layout only" in amx["gpu-experts"].reason
     assert amx["AMXINT8"].status == "skipped" and amx["AMXINT4"].status == "run"
-    lora = _by_name(lever_candidates(load_recipe(KIMI), _host(variant="amx")))
+    lora = _by_name(lever_candidates(load_recipe(KIMI, ["serving.mode=lora"]), _host(variant="amx")))
     assert "LoRA path" in lora["gpu-experts"].reason and lora["AMXINT8"].status == "skipped"
     assert lora["deferral-1"].status == "refused" and "without deferral" in lora["deferral-1"].reason
     assert "no GPU" in _by_name(lever_candidates(recipe, _host(gpus=0)))["gpu-experts"].reason

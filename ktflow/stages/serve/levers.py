@@ -509,5 +509,5 @@ def lever_settings(serving: ServingConfig, physical_cores: int) -> str:
         parts.append(f"deferral {serving.kt_max_deferred_experts_per_token}")
     if serving.chunked_prefill_size:
         parts.append(f"chunks {serving.chunked_prefill_size}")
-    parts.append("graphs off" if serving.disable_cuda_graph else "graphs on")
+    parts.append("graphs off" if serving.disable_cuda_graph or serving.resolved_mode == "lora" else "graphs on")
     return ", ".join(parts)

@@ -230,7 +230,7 @@ def _launch_args(recipe: Recipe, *, model_dir: Path, kt_weight_dir: Path, adapte
         if serving.kt_enable_dynamic_expert_update:
             args.append("--kt-enable-dynamic-expert-update")
     args += ["--max-running-requests", str(running)]
-    if serving.disable_cuda_graph:
+    if serving.disable_cuda_graph or adapter_dir is not None:  # KT's LoRA path runs without CUDA graphs
         args.append("--disable-cuda-graph")
     for flag, value in (("--context-length", serving.context_length),
                         ("--chunked-prefill-size", serving.chunked_prefill_size),
