@@ -52,14 +52,20 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import big  # noqa: E402  (gpu_host/big.py: running and watching children, sft, convert)
 import kimi_slice  # noqa: E402  (gpu_host/kimi_slice.py: the slice's fixture, records and recipes)
 from big import BUILD, REPO, free_disk_gb, run_watched  # noqa: E402
+
+if TYPE_CHECKING:
+    from ktflow.host.hardware import HostInfo
+    from ktflow.recipe import Recipe
+    from ktflow.stages.serve.levers import LeverCandidate, LeverMeasurement, LeverRun, ServedModel, ServingLevers
 
 ROOT = BUILD / "merged"
 RESULTS = ROOT / "results"
@@ -78,9 +84,9 @@ LEVER_ARGS = "--concurrency 1 --max-tokens 256 --requests-per-level 3"
 SERVED_LOSS_RECORDS = 16  # the slice's training records whose served loss each load server reports
 START_S = {1: 85.0, 2: 90.0, 3: 100.0}  # a warm server start by depth (docstring), for the phases' time budget
 LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwidth and stop
-# Kimi-K2.5 whole (recipes/kimi-k2.5-rawint4.yaml's size block): what a card would give the GPU experts.
+# Kimi-K2.5 whole (recipes/kimi-k2.5-rawint4.yaml's size block): what a card would give the GPU experts (the
+# product's gpu_expert_share, through its lever candidates: ktflow/stages/serve/levers.py).
 WHOLE_RECIPE = kimi_slice.WHOLE_RECIPE
-GPU_RESERVE_BYTES = 8 * 2**30  # activations, CUDA graphs, workspace beside the weights and the KV pool
 # The LoRA path's own figures (tiny fixtures; docs/results/serving.md): served loss and loss_check's reference.
 LORA_PATH_PUBLISHED = {"bf16": {"AMXBF16 (LoRA path)": (0.059865, 0.059443), "AMXINT8 (LoRA path)": (0.061720, 0.059443)},
                        "rawint4": {"RAWINT4 (LoRA path)": (0.062874, 0.063235)}}
@@ -493,48 +499,67 @@ def served_tokens(work: MergedWork) -> Path | None:
 # --------------------------------------------------------------------------- item 3: the levers
 
 
-def gpu_expert_share(free_bytes: int, *, method: str = "RAWINT4", context_tokens: int = 16 * 1024) -> dict[str, Any]:
-    """The routed experts per MoE layer the WHOLE Kimi-K2.5 would get on a card with ``free_bytes``: what is left
-    after its non-expert weights (BF16), a KV pool for ``context_tokens`` and GPU_RESERVE_BYTES, over its 60 MoE
-    layers of one expert's stored size (INT4 group 32 as the source stores it; AMX formats hold no GPU experts)."""
+LEVER_GROUPS = ("engine", "gpu", "threads", "methods", "combo")  # one ``levers --group`` step (device call) each
+# The serving fields by which the product's candidates (ktflow/stages/serve/levers.py) fall into the groups, the
+# first match winning: another CPU method first (its candidates may also clear the GPU experts).
+GROUP_FIELDS = (("methods", ("kt_method",)),
+                ("gpu", ("kt_num_gpu_experts", "kt_enable_dynamic_expert_update", "chunked_prefill_size")),
+                ("threads", ("kt_cpuinfer", "kt_threadpool_count")),
+                ("engine", ("disable_cuda_graph", "kt_max_deferred_experts_per_token")))
+
+
+def lever_recipe(work: MergedWork) -> Recipe:
+    """The recipe the lever candidates are made from and checked against: the slice's serving recipe as every
+    merged server of the slice starts (MERGED_SETS), its ``source.size`` the WHOLE Kimi-K2.5's (WHOLE_RECIPE), so
+    the product's GPU-expert share is what the whole model would get on this card, not a count that would put the
+    whole slice on the GPU."""
     from ktflow.recipe import load_recipe
 
-    size = load_recipe(WHOLE_RECIPE).source.size
-    expert_bytes = size.expert_stored_bytes / (size.moe_layers * size.routed_experts)
-    non_expert = size.stored_bytes - size.expert_stored_bytes
-    kv = size.kv_bytes_per_token * context_tokens
-    left = free_bytes - non_expert - kv - GPU_RESERVE_BYTES
-    per_layer = max(0, min(size.routed_experts, int(left // (size.moe_layers * expert_bytes))))
-    return {"experts_per_layer": per_layer, "of": size.routed_experts, "free_gib": round(free_bytes / 2**30, 1),
-            "non_expert_gib": round(non_expert / 2**30, 1), "kv_gib": round(kv / 2**30, 2),
-            "reserve_gib": GPU_RESERVE_BYTES / 2**30, "expert_mib": round(expert_bytes / 2**20, 1),
-            "moe_layers": size.moe_layers, "method": method}
+    recipe = load_recipe(work.serve_recipe, slice_sets(work, MERGED_SETS))
+    whole = load_recipe(WHOLE_RECIPE).source.size
+    return recipe.model_copy(update={"source": recipe.source.model_copy(update={"size": whole})})
 
 
-def _gpu_free_bytes() -> int | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    done = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
-                          capture_output=True, text=True)
-    return int(done.stdout.split()[0]) << 20 if done.returncode == 0 and done.stdout.strip() else None
+def harness_candidates(recipe: Recipe, host: HostInfo) -> list[LeverCandidate]:
+    """The product's candidates for ``host`` in merged mode (``lever_candidates``): the baseline, then each lever
+    alone, skipped or refused with the product's reason where it does not apply."""
+    from ktflow.stages.serve.levers import lever_candidates
+
+    return lever_candidates(recipe, host, "merged")
 
 
-def lever_groups(work: MergedWork, share: int, cores: int) -> dict[str, list[tuple[str, list[str]]]]:
-    """Each group: its own baseline (MERGED_SETS, RAWINT4) then one lever each, short runs (LEVER_ARGS)."""
-    base = [("baseline", [])]
-    return {
-        "engine": base + [("cuda-graphs-off", ["serving.disable_cuda_graph=true"]),
-                          ("deferral-1", ["serving.kt_max_deferred_experts_per_token=1"]),
-                          ("deferral-2", ["serving.kt_max_deferred_experts_per_token=2"])],
-        "gpu": base + [(f"gpu-experts-{share}", [f"serving.kt_num_gpu_experts={share}"]),
-                       (f"gpu-experts-{share}-dynamic", [f"serving.kt_num_gpu_experts={share}",
-                                                         "serving.kt_enable_dynamic_expert_update=true"]),
-                       ("chunked-prefill-4096", ["serving.chunked_prefill_size=4096"])],
-        "threads": base + [(f"cpuinfer-{max(cores - 2, 1)}", [f"serving.kt_cpuinfer={max(cores - 2, 1)}"]),
-                           (f"cpuinfer-{max(cores // 2, 1)}", [f"serving.kt_cpuinfer={max(cores // 2, 1)}"]),
-                           ("threadpools-2", ["serving.kt_threadpool_count=2"])],
-        "methods": base + [("AMXINT4", ["serving.kt_method=AMXINT4"]), ("AMXINT8", ["serving.kt_method=AMXINT8"])],
-    }
+def lever_groups(candidates: list[LeverCandidate]) -> dict[str, list[LeverCandidate]]:
+    """The candidates in this harness's groups (GROUP_FIELDS), each group its own baseline first (each step is a
+    device call of its own, so each measures the baseline again); ``combo`` holds the baseline only (its combination
+    is the product's ``combined_candidate`` of what the other groups measured). A lever of fields no group names
+    goes to ``engine``."""
+    from ktflow.stages.serve.levers import BASELINE
+
+    baseline = next(c for c in candidates if c.name == BASELINE)
+    groups: dict[str, list[LeverCandidate]] = {g: [baseline] for g in LEVER_GROUPS}
+    for candidate in candidates:
+        if candidate.name == BASELINE:
+            continue
+        fields = set(candidate.updates) - {"mode"}
+        group = next((g for g, names in GROUP_FIELDS if fields & set(names)), "engine")
+        groups[group].append(candidate)
+    return groups
+
+
+def lever_sets(updates: dict[str, Any]) -> list[str]:
+    """A candidate's serving-field updates as this harness's ``serving.X=Y`` overrides (``mode`` is MERGED_SETS's;
+    values in YAML, as the recipe loader reads them)."""
+    return [f"serving.{field}={value if isinstance(value, str) else json.dumps(value)}"
+            for field, value in updates.items() if field != "mode"]
+
+
+def set_updates(sets: list[str]) -> dict[str, Any]:
+    """``serving.X=Y`` overrides back as serving-field updates (a levers.json entry written before its candidate
+    was kept with it)."""
+    import yaml
+
+    return {"mode": "merged", **{s.split("=", 1)[0].removeprefix("serving."): yaml.safe_load(s.split("=", 1)[1])
+                                 for s in sets if s.startswith("serving.")}}
 
 
 def _decode(doc: dict[str, Any]) -> float | None:
@@ -542,58 +567,168 @@ def _decode(doc: dict[str, Any]) -> float | None:
     return one["decode_tokens_per_s_median"] if one and not one["errors"] else None
 
 
-def combo_sets(levers: dict[str, Any], gain: float = 1.03) -> list[str]:
-    """Every lever that beat its own group's baseline by ``gain`` or more at concurrency 1, together."""
-    sets: list[str] = []
-    for group, runs in levers.items():
-        if group == "combo":
-            continue
-        base = _decode(runs.get("baseline", {}))
-        for name, doc in runs.items():
-            rate = _decode(doc)
-            if name != "baseline" and base and rate and rate >= gain * base:
-                sets += [s for s in doc["lever_sets"] if s not in sets]
-    return sets
+def lever_measurement(doc: dict[str, Any]) -> LeverMeasurement:
+    """One server's record (levers.json) as the product's measurement: decode and TTFT at concurrency 1, the served
+    loss where the server measured one."""
+    from ktflow.stages.serve.levers import LeverMeasurement
+
+    one = next((lv for lv in doc.get("levels") or [] if lv["concurrency"] == 1), {})
+    decode = _decode(doc)
+    loss = doc.get("served_loss") or {}
+    error = doc.get("error") or (None if decode is not None else
+                                 f"no decode at concurrency 1 ({one.get('errors')} errors)" if one else "no load run")
+    return LeverMeasurement(ok=bool(doc.get("ok")) and decode is not None, decode_tokens_per_s=decode,
+                            ttft_p50_s=(one.get("ttft_s") or {}).get("p50"), served_loss=loss.get("loss"),
+                            loss_records=loss.get("records") or 0, requests=one.get("requests") or 0,
+                            seconds=(doc.get("child") or {}).get("wall_s") or 0.0, error=error)
 
 
-def chosen_settings(levers: dict[str, Any]) -> dict[str, Any]:
-    """The fastest correct configuration measured: the run with the highest concurrency-1 decode relative to its
-    own group's baseline (the combination when measured and best)."""
-    best = {"name": "baseline", "sets": [], "vs_baseline": 1.0}
-    for group, runs in levers.items():
-        base = _decode(runs.get("baseline", {}))
-        for name, doc in runs.items():
-            rate = _decode(doc)
-            if base and rate and rate / base > best["vs_baseline"]:
-                best = {"name": f"{group}/{name}", "sets": doc["lever_sets"], "vs_baseline": round(rate / base, 3)}
-    return best
+def _served(measurement: LeverMeasurement | None) -> bool:
+    return measurement is not None and measurement.ok and measurement.decode_tokens_per_s is not None
+
+
+def measured_runs(levers: dict[str, Any], candidates: list[LeverCandidate],
+                  ) -> tuple[list[LeverRun], dict[str, str]]:
+    """Everything measured so far (levers.json) as the product's runs, with the group each came from: one baseline
+    (the first group's, in LEVER_GROUPS order, that served: the reference) and every candidate of every group, judged
+    by the product's ``judge`` against its OWN group's baseline (served loss compared where both measured one). A
+    lever's decode is put on the reference baseline's scale (its rate x the reference's / its group's), so the
+    product's choice (fastest correct) compares levers measured in different steps as their groups' ratios do; the
+    verdict says so. Candidates not measured are recorded as the product records them: skipped, refused, or not
+    measured yet."""
+    from ktflow.stages.serve.levers import BASELINE, COMBINED, LeverCandidate, LeverRun, judge
+
+    groups = lever_groups(candidates)
+    baselines = {g: lever_measurement(levers[g]["baseline"]) for g in LEVER_GROUPS if "baseline" in levers.get(g, {})}
+    ref_group = next((g for g in LEVER_GROUPS if _served(baselines.get(g))), None)
+    reference = baselines.get(ref_group) if ref_group else None
+    base = groups["engine"][0]
+    runs = [LeverRun(candidate=base, verdict="not measured yet")]
+    where = {BASELINE: "baseline"}
+    if reference is not None:
+        runs[0] = LeverRun(candidate=base, measurement=reference, correct=True, vs_baseline=1.0,
+                           verdict=f"ok: served (the {ref_group} step's baseline; each step measures its own)")
+    elif baselines:
+        first = next(g for g in LEVER_GROUPS if g in baselines)
+        runs[0] = LeverRun(candidate=base, measurement=baselines[first], correct=False,
+                           verdict=f"did not serve: {baselines[first].error or 'no decode measured'}")
+    for group in LEVER_GROUPS:
+        measured = {n: d for n, d in levers.get(group, {}).items() if n != BASELINE}
+        current = {c.name: c for c in groups[group][1:]}
+        for name in dict.fromkeys([*current, *measured]):
+            if name in where:
+                continue
+            where[name] = f"{group}/{name}"
+            doc = measured.get(name)
+            if doc is None:
+                candidate = current[name]
+                runs.append(LeverRun(candidate=candidate, verdict=f"{candidate.status}: {candidate.reason}"
+                                     if candidate.status != "run" else f"not measured yet (merged-levers-{group})"))
+                continue
+            if doc.get("candidate"):
+                candidate = LeverCandidate.model_validate(doc["candidate"])
+            else:  # measured before the harness kept candidates: its overrides, the current words
+                why = current[name].why if name in current else "measured by an earlier run of this harness"
+                candidate = LeverCandidate(name=name, updates=set_updates(doc.get("lever_sets") or []), why=why)
+            run = LeverRun(candidate=candidate, measurement=lever_measurement(doc))
+            group_base = baselines.get(group)
+            if not _served(group_base) or reference is None:
+                run.correct, run.verdict = False, f"not compared: the {group} step's baseline did not serve"
+            else:
+                run.correct, run.verdict = judge(candidate, run.measurement, group_base)
+            rate = run.measurement.decode_tokens_per_s
+            if run.correct and rate and group_base is not None and reference is not None:
+                base_rate, ref_rate = group_base.decode_tokens_per_s or 0.0, reference.decode_tokens_per_s or 0.0
+                run.vs_baseline = round(rate / base_rate, 3)
+                if group != ref_group:
+                    run.measurement = run.measurement.model_copy(
+                        update={"decode_tokens_per_s": round(rate * ref_rate / base_rate, 2)})
+                    run.verdict += (f"; measured {rate:.1f} tokens/s against the {group} step's baseline of "
+                                    f"{base_rate:.1f}, put on the {ref_group} step's {ref_rate:.1f}")
+            runs.append(run)
+    if COMBINED not in where:
+        where[COMBINED] = f"combo/{COMBINED}"
+    return runs, where
+
+
+def lever_record(levers: dict[str, Any], candidates: list[LeverCandidate], recipe: Recipe, host: HostInfo,
+                 model: ServedModel) -> tuple[ServingLevers, dict[str, str]]:
+    """The product's record of what the levers phases measured (``ServingLevers``, the document ``ktflow
+    tune-serving`` keeps): :func:`measured_runs`, the product's combination (``combined_candidate``: recorded as not
+    measured until the combo step measures it) and its choice (``choose_settings``: the fastest correct)."""
+    from ktflow.stages.serve.levers import COMBINED, LeverRun, ServingLevers, choose_settings, combined_candidate
+
+    runs, where = measured_runs(levers, candidates)
+    if not any(r.candidate.name == COMBINED for r in runs):
+        combined = combined_candidate(runs, recipe)
+        if combined is not None:
+            runs.append(LeverRun(candidate=combined, verdict=f"{combined.status}: {combined.reason}"
+                                 if combined.status != "run" else "not measured yet (merged-levers-combo)"))
+    return ServingLevers(machine=host.machine, gpu=host.gpus[0].name if host.gpus else None, model=model, runs=runs,
+                         choice=choose_settings(runs),
+                         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds")), where
+
+
+def levers_chosen(record: ServingLevers, where: dict[str, str]) -> dict[str, Any]:
+    """levers-chosen.json: the product's choice as this harness's overrides (``name`` GROUP/LEVER, ``sets``,
+    ``vs_baseline`` against its own step's baseline, the product's ``reason``); the baseline where nothing
+    served."""
+    choice = record.choice
+    if choice is None:
+        return {"name": "baseline", "sets": [], "vs_baseline": 1.0, "reason": "no baseline served: nothing chosen"}
+    return {"name": where.get(choice.name, choice.name), "sets": lever_sets(choice.updates),
+            "vs_baseline": choice.vs_baseline, "reason": choice.reason}
 
 
 def phase_levers(work: MergedWork) -> int:
-    """Item 3: for the merged model, each lever of ``--group`` alone against that group's baseline (concurrency 1,
-    3 requests of 256 tokens), into results/levers.json; levers measured before are skipped (``--again``: not), so
-    a group cut short by the phase's time goes on when its step runs again. Writes levers-chosen.json."""
+    """Item 3: for the merged model, the product's lever candidates of ``--group`` (ktflow/stages/serve/levers.py
+    for this host; combo: the product's combination of what the other groups measured) against that group's own
+    baseline (concurrency 1, 3 requests of 256 tokens), into results/levers.json; levers measured before are skipped
+    (``--again``: not), so a group cut short by the phase's time goes on when its step runs again, and a group whose
+    baseline did not serve runs nothing else. Writes the product's record of everything measured so far
+    (serving-levers.json) and its choice as this harness's overrides (levers-chosen.json)."""
+    from ktflow.host import hardware
+    from ktflow.stages.serve.levers import BASELINE, COMBINED, combined_candidate, served_model
+    from ktflow.store import read_manifest
+
     started = time.perf_counter()
     path = work.results / "levers.json"
     levers: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    free = _gpu_free_bytes()
-    share = gpu_expert_share(free if free is not None else 80 * 2**30)
-    cores = _physical_cores()
-    groups = lever_groups(work, share["experts_per_layer"], cores)
+    recipe = lever_recipe(work)
+    host = hardware.probe_host(work.root if work.root.is_dir() else None)
+    candidates = harness_candidates(recipe, host)
     group = work.args.group
-    runs = [("baseline", []), ("combined", combo_sets(levers))] if group == "combo" else groups[group]
+    runs = lever_groups(candidates)[group]
+    gpu = next((c for c in candidates if c.name.startswith("gpu-experts")), None)
+    notes: dict[str, Any] = {"gpu_expert_share": gpu and {"lever": gpu.name, "status": gpu.status, "reason": gpu.reason,
+                                                          "experts_per_layer": gpu.updates.get("kt_num_gpu_experts"),
+                                                          "why": gpu.why},
+                             "physical_cores": host.physical_cores, "skipped": []}
+    if group == "combo":
+        measured = [r for r in measured_runs(levers, candidates)[0] if r.candidate.name != COMBINED]
+        combined = combined_candidate(measured, recipe)
+        if combined is None:
+            notes["skipped"].append({"lever": "combined", "why": "fewer than two levers beat their step's baseline "
+                                                                 "by 3 % or more and were correct"})
+        else:
+            runs = [*runs, combined]
     done = levers.setdefault(group, {})
-    notes: dict[str, Any] = {"gpu_expert_share": share, "physical_cores": cores, "skipped": []}
     budget = START_S.get(work.moe_layers, 100.0) + LEVER_S
     status = 0
-    for name, sets in runs:
+    for candidate in runs:
+        name, sets = candidate.name, lever_sets(candidate.updates)
+        if candidate.status != "run":
+            notes["skipped"].append({"lever": name, "why": f"{candidate.status}: {candidate.reason}"})
+            continue
         if name in done and done[name].get("ok") and not work.args.again:
+            continue
+        if name != BASELINE and not _served(lever_measurement(done["baseline"]) if "baseline" in done else None):
+            notes["skipped"].append({"lever": name, "why": "this step's baseline was not measured or did not serve: "
+                                                          "nothing to compare with"})
             continue
         method = kt_method_of(sets)
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
         merged = merge_dir(work, method, sets)
-        from ktflow.store import read_manifest
-
         need = budget + (0 if read_manifest(merged) else 90.0)
         if left < need:
             notes["skipped"].append({"lever": name, "why": f"{left:.0f} s left of the phase, ~{need:.0f} s needed: "
@@ -603,31 +738,39 @@ def phase_levers(work: MergedWork) -> int:
         spec = server_spec(work, "merged", f"lever-{group}-{name}", sets, load_args=LEVER_ARGS,
                            tokens=served_tokens(work) if group == "methods" else None)
         room = room_for(work, spec)
+        kept = {"lever_sets": sets, "candidate": candidate.model_dump(mode="json"), "merge": merge, "room": room}
         if not room["fits"]:
-            done[name] = {"ok": False, "lever_sets": sets, "error": "not enough disk", "room": room, "merge": merge}
+            done[name] = {"ok": False, "error": "not enough disk", **kept}
             status = 1
             continue
         doc = run_server(work, spec, limit_s=big.PHASE_LIMIT_S - (time.perf_counter() - started))
-        doc.update(lever_sets=sets, merge=merge, room=room)
+        doc.update(kept)
         done[name] = doc
         status |= 0 if doc.get("ok") and not doc.get("leftover_processes") else 1
         path.write_text(json.dumps(levers, indent=1, default=str))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(levers, indent=1, default=str))
-    chosen = chosen_settings(levers)
+    record, where = lever_record(levers, candidates, recipe, host, served_model(recipe, work.model, "merged"))
+    (work.results / "serving-levers.json").write_text(json.dumps(record.model_dump(mode="json"), indent=1))
+    chosen = levers_chosen(record, where)
     (work.results / "levers-chosen.json").write_text(json.dumps(chosen, indent=1))
     base = _decode(done.get("baseline", {}))
+    judged = {r.candidate.name: r for r in record.runs}
+
+    def verdict(name: str, doc: dict[str, Any]) -> dict[str, Any]:
+        if name == BASELINE:
+            own = lever_measurement(doc)
+            return {"correct": _served(own), "verdict": "this step's baseline: " + (
+                "served" if _served(own) else f"did not serve: {own.error}")}
+        run = judged.get(name) if where.get(name) == f"{group}/{name}" else None
+        return {"correct": run.correct, "verdict": run.verdict} if run else {"correct": None, "verdict": None}
+
     work.save(f"levers-{group}", {**notes, "chosen_so_far": chosen, "runs": {
         n: {"decode_c1": _decode(d), "vs_baseline": round(_decode(d) / base, 3) if base and _decode(d) else None,
             "ttft_p50_s": (next(iter(d.get("levels") or []), {}).get("ttft_s") or {}).get("p50"),
-            "ready_s": d.get("ready_s"), "ok": d.get("ok"), "error": d.get("error")} for n, d in done.items()}})
+            "ready_s": d.get("ready_s"), "ok": d.get("ok"), "error": d.get("error"), **verdict(n, d)}
+        for n, d in done.items()}})
     return status
-
-
-def _physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------------- item 5: side by side

@@ -146,22 +146,118 @@ def test_depth_is_the_deepest_the_disk_allows() -> None:
     assert ms.choose_depth(40) is None
 
 
-def test_gpu_experts_are_the_whole_models_share_of_the_card() -> None:
-    """Kimi-K2.5's 23.4 GB of non-expert weights, a KV pool and a reserve first; then 60 layers of ~24.8 MB experts."""
-    h100 = ms.gpu_expert_share(79 * 2**30)
-    assert 20 <= h100["experts_per_layer"] <= 35 and h100["expert_mib"] == pytest.approx(23.6, abs=0.3)
-    assert ms.gpu_expert_share(140 * 2**30)["experts_per_layer"] > h100["experts_per_layer"]
-    assert ms.gpu_expert_share(20 * 2**30)["experts_per_layer"] == 0
+def _work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ms.MergedWork:
+    monkeypatch.setattr(ms, "ROOT", tmp_path / "merged")
+    return ms.MergedWork(argparse.Namespace(moe_layers=1, python=sys.executable, ktflow_python=None,
+                                            serve_python=sys.executable, set=None))
 
 
-def test_the_chosen_settings_and_the_combination() -> None:
-    runs = lambda base, **levers: {"baseline": {"levels": [{"concurrency": 1, "errors": 0,  # noqa: E731
-                                                           "decode_tokens_per_s_median": base}], "lever_sets": []},
-                                   **{k: {"levels": [{"concurrency": 1, "errors": 0, "decode_tokens_per_s_median": v}],
-                                          "lever_sets": [f"serving.{k}=1"]} for k, v in levers.items()}}
-    levers = {"engine": runs(40.0, a=44.0, b=39.0), "gpu": runs(30.0, c=36.0)}  # c: +20 % over its own baseline
-    assert ms.chosen_settings(levers) == {"name": "gpu/c", "sets": ["serving.c=1"], "vs_baseline": 1.2}
-    assert ms.combo_sets(levers) == ["serving.a=1", "serving.c=1"]
+def _host(vram_gib: int, cores: int = 16):
+    from ktflow.host.hardware import GpuInfo, probe_host
+
+    return probe_host().model_copy(update={"gpus": [GpuInfo(index=0, name="H100", vram_bytes=vram_gib << 30)],
+                                           "physical_cores": cores, "numa_nodes": 1})
+
+
+def test_the_groups_are_the_products_candidates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each group: its own baseline (merged RAWINT4, graphs on) then the product's levers of its fields, as the
+    harness's ``serving.X=Y`` overrides."""
+    groups = ms.lever_groups(ms.harness_candidates(ms.lever_recipe(_work(tmp_path, monkeypatch)), _host(79)))
+    names = {g: [c.name for c in cs] for g, cs in groups.items()}
+    share = names["gpu"][1]
+    assert names == {"engine": ["baseline", "cuda-graphs-off", "deferral-1", "deferral-2"],
+                     "gpu": ["baseline", share, f"{share}-dynamic", "chunked-prefill-4096"],
+                     "threads": ["baseline", "cpuinfer-14", "cpuinfer-8", "threadpools-2"],
+                     "methods": ["baseline", "AMXINT4", "AMXINT8"], "combo": ["baseline"]}
+    assert ms.lever_sets(groups["engine"][0].updates) == []  # the baseline: MERGED_SETS alone
+    assert ms.lever_sets(groups["engine"][1].updates) == ["serving.disable_cuda_graph=true"]
+    n = groups["gpu"][1].updates["kt_num_gpu_experts"]
+    assert ms.lever_sets(groups["gpu"][2].updates) == [f"serving.kt_num_gpu_experts={n}",
+                                                       "serving.kt_enable_dynamic_expert_update=true"]
+    assert ms.lever_sets(groups["methods"][2].updates) == ["serving.kt_method=AMXINT8"]
+    assert ms.set_updates(ms.lever_sets(groups["gpu"][2].updates)) == groups["gpu"][2].updates  # and back
+    # one NUMA node, no AMX here: the product's reasons
+    assert groups["threads"][3].status == "skipped" and "NUMA node" in groups["threads"][3].reason
+
+
+def test_gpu_experts_are_the_whole_models_share_of_the_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product's share (ktflow.stages.serve.levers.gpu_expert_share) for the WHOLE Kimi-K2.5: its 23.4 GB of
+    non-expert weights, a KV pool and a reserve first; then 60 layers of ~24.8 MB experts."""
+    from ktflow.recipe import load_recipe
+    from ktflow.stages.serve.levers import gpu_expert_share
+
+    recipe = ms.lever_recipe(_work(tmp_path, monkeypatch))
+
+    def gpu(vram_gib: int):
+        return ms.lever_groups(ms.harness_candidates(recipe, _host(vram_gib)))["gpu"][1]
+
+    h100 = gpu(79)
+    n = h100.updates["kt_num_gpu_experts"]
+    assert h100.status == "run" and 20 <= n <= 36 and h100.name == f"gpu-experts-{n}"
+    assert "23.6 MiB experts" in h100.why and "of 384 experts a layer" in h100.why
+    whole = load_recipe(ms.WHOLE_RECIPE).source.size
+    assert n == gpu_expert_share(whole, 79 << 30, method="RAWINT4",
+                                 context_tokens=recipe.serving.context_length).experts_per_layer
+    assert gpu(140).updates["kt_num_gpu_experts"] > n
+    assert gpu(20).status == "skipped" and "no room for experts" in gpu(20).reason
+
+
+def _server(rate: float | None, sets: list[str] | None = None, *, loss: float | None = None) -> dict:
+    """A levers.json entry as run_server leaves it, written before the harness kept candidates (its overrides)."""
+    doc = {"ok": rate is not None, "lever_sets": sets or [], "levels": [] if rate is None else [
+        {"concurrency": 1, "errors": 0, "requests": 3, "decode_tokens_per_s_median": rate, "ttft_s": {"p50": 0.2}}]}
+    if rate is None:
+        doc["error"] = "ServerStartError: out of memory"
+    if loss is not None:
+        doc["served_loss"] = {"loss": loss, "records": 16}
+    return doc
+
+
+def test_the_chosen_settings_and_the_combination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product's rules on what the steps measured: each lever judged against its own step's baseline (served
+    loss compared where measured), the fastest correct chosen, the levers that beat theirs by 3 % combined."""
+    from ktflow.stages.serve.levers import COMBINED, ServedModel, ServingLevers, choose_settings
+
+    recipe = ms.lever_recipe(_work(tmp_path, monkeypatch))
+    host = _host(79)
+    candidates = ms.harness_candidates(recipe, host)
+    model = ServedModel(path="/slice/model", kt_method="RAWINT4", mode="merged")
+    deferral, chunks, graphs_off = ("serving.kt_max_deferred_experts_per_token=1", "serving.chunked_prefill_size=4096",
+                                    "serving.disable_cuda_graph=true")
+    levers = {"engine": {"baseline": _server(40.0), "deferral-1": _server(44.0, [deferral]),
+                         "cuda-graphs-off": _server(39.0, [graphs_off])},
+              "gpu": {"baseline": _server(30.0), "chunked-prefill-4096": _server(36.0, [chunks])},
+              # another CPU method: 1.5x as fast but 2 % more served loss than its step's baseline (1 % allowed)
+              "methods": {"baseline": _server(20.0, loss=0.5),
+                          "AMXINT8": _server(30.0, ["serving.kt_method=AMXINT8"], loss=0.51),
+                          "AMXINT4": _server(20.4, ["serving.kt_method=AMXINT4"], loss=0.503)}}
+    record, where = ms.lever_record(levers, candidates, recipe, host, model)
+    runs = {r.candidate.name: r for r in record.runs}
+    assert runs["AMXINT8"].correct is False and "wrong" in runs["AMXINT8"].verdict
+    assert runs["AMXINT4"].correct and runs["AMXINT4"].vs_baseline == 1.02  # +0.6 %: within 1 %
+    chunked = runs["chunked-prefill-4096"]
+    assert chunked.vs_baseline == 1.2 and chunked.measurement.decode_tokens_per_s == pytest.approx(48.0)  # 36 x 40/30
+    assert "against the gpu step's baseline of 30.0" in chunked.verdict
+    assert runs["deferral-2"].verdict.startswith("not measured yet") and runs["threadpools-2"].verdict.startswith("skipped")
+    assert record.choice == choose_settings(record.runs) and record.machine == host.machine
+    assert ms.levers_chosen(record, where) == {"name": "gpu/chunked-prefill-4096",
+                                               "sets": ["serving.chunked_prefill_size=4096"], "vs_baseline": 1.2,
+                                               "reason": record.choice.reason}
+    combined = runs[COMBINED]  # deferral-1 (1.1x) and the chunks (1.2x): the combo step's to measure
+    assert combined.measurement is None and combined.verdict == "not measured yet (merged-levers-combo)"
+    assert ms.lever_sets(combined.candidate.updates) == [chunks, deferral]  # AMXINT4's 1.02x: not in it
+    # the combo step measured it: 1.25x its own baseline, the fastest correct
+    levers["combo"] = {"baseline": _server(50.0), COMBINED: {
+        **_server(62.5, ms.lever_sets(combined.candidate.updates)), "candidate": combined.candidate.model_dump()}}
+    record, where = ms.lever_record(levers, candidates, recipe, host, model)
+    assert ms.levers_chosen(record, where)["name"] == "combo/combined"
+    assert ms.levers_chosen(record, where)["sets"] == ms.lever_sets(combined.candidate.updates)
+    assert ServingLevers.model_validate_json(record.model_dump_json()) == record
+    # no baseline served: nothing chosen, the baseline's (empty) overrides
+    record, where = ms.lever_record({"engine": {"baseline": _server(None), "deferral-1": _server(44.0)}},
+                                    candidates, recipe, host, model)
+    assert record.choice is None and ms.levers_chosen(record, where)["sets"] == []
+    assert "did not serve" in {r.candidate.name: r for r in record.runs}["deferral-1"].verdict
 
 
 def test_run_sh_names_every_phase() -> None:
@@ -198,9 +294,9 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     monkeypatch.setattr(ms, "LEVER_ARGS", "--concurrency 1 --max-tokens 6 --warmup 0 --requests-per-level 2")
     real_groups = ms.lever_groups
 
-    def groups(work, share, cores):
-        found = real_groups(work, share, cores)
-        assert [n for n, _ in found["gpu"]][1].startswith("gpu-experts-")
+    def groups(candidates):
+        found = real_groups(candidates)
+        assert found["gpu"][1].name.startswith("gpu-experts-") and found["gpu"][1].status == "run"
         return {**found, "engine": found["engine"][:2]}  # baseline and CUDA graphs off
 
     monkeypatch.setattr(ms, "lever_groups", groups)
@@ -224,7 +320,23 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     assert "--lora-paths" not in base_argv  # merged: no LoRA flags
     assert levers["baseline"]["endpoint"]["merged_dir"] and levers["baseline"]["floor"]["floor_tokens_per_s"] > 0
     assert all(not d["leftover_processes"] for d in levers.values())
-    assert (results / "levers-chosen.json").is_file()
+    assert levers["cuda-graphs-off"]["lever_sets"] == ["serving.disable_cuda_graph=true"]
+    chosen = json.loads((results / "levers-chosen.json").read_text())
+    assert {"name", "sets", "vs_baseline"} <= set(chosen)
+    # the product's record beside levers.json, as `ktflow tune-serving` keeps it
+    from ktflow.stages.serve.levers import ServingLevers, choose_settings
+
+    record = ServingLevers.model_validate_json((results / "serving-levers.json").read_text())
+    runs = {r.candidate.name: r for r in record.runs}
+    assert runs["baseline"].correct and runs["cuda-graphs-off"].measurement.decode_tokens_per_s > 0
+    assert runs["cuda-graphs-off"].candidate.updates == {"mode": "merged", "disable_cuda_graph": True}
+    assert runs["chunked-prefill-4096"].verdict == "not measured yet (merged-levers-gpu)"  # another step's
+    assert runs["AMXINT8"].candidate.status == "skipped" and runs["AMXINT8"].verdict.startswith("skipped: ")
+    assert record.choice == choose_settings(record.runs) and record.choice is not None
+    assert chosen["sets"] == ms.lever_sets(record.choice.updates)
+    assert record.gpu == "rehearsal" and record.model.path == str(ms.ROOT / "moe2" / "model")
+    step = json.loads((results / "levers-engine.json").read_text())
+    assert step["gpu_expert_share"]["status"] == "run" and step["runs"]["baseline"]["correct"] is True
 
     assert run("load") == 0
     load = json.loads((results / "load.json").read_text())
@@ -282,9 +394,7 @@ def test_a_phase_out_of_time_says_what_it_left_and_goes_on_when_run_again(
 
 
 def test_make_room_removes_other_views_and_merges_never_the_base(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(ms, "ROOT", tmp_path / "merged")
-    work = ms.MergedWork(argparse.Namespace(moe_layers=1, python=sys.executable, ktflow_python=None,
-                                            serve_python=sys.executable, set=None))
+    work = _work(tmp_path, monkeypatch)
     for d in ("endpoints/base/model-view-a", "endpoints/merged-RAWINT4/model-view-b", "model"):
         (work.root / d).mkdir(parents=True)
     (work.sft_store / "merged" / "x").mkdir(parents=True)
