@@ -191,10 +191,8 @@ def _words(text: str) -> str:
 
 def test_the_plan_prints_a_table_and_a_line_a_stage_and_every_problem_in_full(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # KT's LoRA path: no merge line to widen the table past 80 columns (the recipe ships merged)
-    plan = plan_recipe(load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"store.root={tmp_path}",
-                                                                              "serving.mode=lora"]), _host())
-    code, text = _plan_cli(tmp_path, capsys, monkeypatch, "--set", "serving.mode=lora")
+    plan = plan_recipe(load_recipe(REPO / "recipes/kimi-k2.5-rawint4.yaml", [f"store.root={tmp_path}"]), _host())
+    code, text = _plan_cli(tmp_path, capsys, monkeypatch)
     assert code == 2
     lines = text.splitlines()
     header = [line.split("┃")[1:-1] for line in lines if line.startswith("┃")]
@@ -207,7 +205,7 @@ def test_the_plan_prints_a_table_and_a_line_a_stage_and_every_problem_in_full(
     # under it, one line a stage (two where it wraps at 80 columns), in the stages' order
     below = lines[next(i for i, line in enumerate(lines) if line.startswith("└")) + 1:]
     problems = [p if p.startswith(s.stage) else f"{s.stage}: {p}" for s in plan.stages for p in s.problems]
-    assert len(problems) == 5
+    assert len(problems) == 6  # the merged serve line needs disk too
     summaries = below[:below.index("what does not fit this host:")]
     starts = [i for i, line in enumerate(summaries) if line.split(":")[0] in rows]
     assert [summaries[i].split(":")[0] for i in starts] == list(rows)
@@ -215,7 +213,7 @@ def test_the_plan_prints_a_table_and_a_line_a_stage_and_every_problem_in_full(
     summary = _words("\n".join(summaries))
     assert "sft: KT, " in summary and "(1 record x 64 micro-batches)" in summary
     assert "not yet calibrated on this host" in summary and "steps unknown until the dataset is here" in summary
-    assert "serve: lora mode (set by serving.mode); ~0.6 tokens/s decode at concurrency 1" in summary
+    assert "serve: merged mode (set by serving.mode), merging first takes ~15.1 h; ~0.9 tokens/s decode" in summary
     assert "evaluate: candidate judged in production's place (swap)" in summary
     assert "dequantize: skipped: no stage reads BF16" in summary
     # every problem in full, and no derivation

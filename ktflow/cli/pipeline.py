@@ -105,7 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source = plan.model_source
     out.print(f"plan: {recipe.name} on {host.hostname}; model size "
               + (source if source.startswith("unknown") else f"from {source}"))
-    table = Table()
+    table = Table(pad_edge=False)  # 80 columns hold every figure (a merged serve line included)
     for column in ("stage", "runs", "time", "disk", "RAM", "GPU memory", "fits"):
         table.add_column(column, no_wrap=True)
     for s in plan.stages:
