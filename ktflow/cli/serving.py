@@ -143,7 +143,7 @@ def cmd_tune_serving(args: argparse.Namespace) -> int:
         return 0 if record.choice is not None else 1
     _print_levers(record, recipe.name, mode)
     out.print(f"kept in {path}; `ktflow serve` on this machine applies it where the recipe leaves a setting unset",
-              markup=False)
+              markup=False, soft_wrap=True)  # a path is copied from the terminal: never broken into lines
     return 0 if record.choice is not None else 1
 
 
