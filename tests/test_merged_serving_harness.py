@@ -1,8 +1,8 @@
 """gpu_host/merged_serving.py rehearsed on the CPU: its phases' plumbing at tiny size, through ktflow's real serve
 stage (the merge stage for real, the model views, the launch's checks) against a stand-in sglang server, the
-children in their own processes as on the GPU host. The stand-in here adds to tests/fake_sglang what the harness
-asks of a server: streaming chat with usage (benchmarks/serve_load.py) and /generate's prompt logprobs (the served
-loss). The GPU runs themselves: gpu_host/README.md, "Merged serving"."""
+children in their own processes as on the GPU host. The stand-in server is tests/fake_sglang (streaming chat with
+usage for benchmarks/serve_load.py, /generate's prompt logprobs for the served loss). The GPU runs themselves:
+gpu_host/README.md, "Merged serving"."""
 
 from __future__ import annotations
 
@@ -20,88 +20,7 @@ sys.path.insert(0, str(REPO / "gpu_host"))
 
 import merged_serving as ms  # noqa: E402
 
-FAKE_SERVER = r'''
-import argparse, json, sys, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-parser = argparse.ArgumentParser()
-for flag in ("--host", "--api-key", "--served-model-name"):
-    parser.add_argument(flag)
-parser.add_argument("--port", type=int)
-parser.add_argument("--lora-paths", nargs="*")
-args, _ = parser.parse_known_args(sys.argv[1:])
-adapters = dict(p.split("=", 1) for p in (args.lora_paths or []))
-models = [args.served_model_name] + [f"{args.served_model_name}:{a}" for a in adapters]
-LOGPROB = -0.05  # every prompt token after the first: the served loss is 0.05
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *a):
-        pass
-
-    def _reply(self, status, doc):
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _ok(self):
-        return self.headers.get("Authorization") == f"Bearer {args.api_key}"
-
-    def do_GET(self):
-        if not self._ok():
-            return self._reply(401, {})
-        if self.path == "/health":
-            return self._reply(200, {})
-        if self.path == "/v1/models":
-            return self._reply(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
-        self._reply(404, {})
-
-    def do_POST(self):
-        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if not self._ok():
-            return self._reply(401, {})
-        if self.path == "/generate":
-            ids = payload["input_ids"]
-            lps = [[None, ids[0], None]] + [[LOGPROB, i, None] for i in ids[1:]]
-            return self._reply(200, {"text": "x", "meta_info": {"input_token_logprobs": lps}})
-        if self.path != "/v1/chat/completions" or payload.get("model") not in models:
-            return self._reply(404, {"error": f"unknown model {payload.get('model')}"})
-        if adapters and payload["model"] == args.served_model_name:
-            return self._reply(400, {"error": "KT expert LoRA statically paired with the adapter"})
-        n = int(payload.get("max_tokens") or 8)
-        if not payload.get("stream"):
-            return self._reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": payload["model"],
-                                     "choices": [{"index": 0, "finish_reason": "stop",
-                                                  "message": {"role": "assistant", "content": "hello"}}],
-                                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}})
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Connection", "close")
-        self.end_headers()
-
-        def event(doc):
-            self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
-            self.wfile.flush()
-
-        base = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": payload["model"]}
-        for i in range(n):
-            time.sleep(0.002)
-            event({**base, "choices": [{"index": 0, "delta": {"content": "x"},
-                                        "finish_reason": "length" if i == n - 1 else None}]})
-        event({**base, "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n}})
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
-        self.close_connection = True
-
-
-print(f"fake sglang argv: {json.dumps([a for a in sys.argv[1:] if not a.startswith('--api-key')])}", flush=True)
-ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
-'''
+FAKE_SGLANG = REPO / "tests" / "fake_sglang"  # the stand-in sglang-kt: streaming chat, /generate's prompt logprobs
 
 
 def _free_port() -> int:
@@ -116,10 +35,6 @@ def _free_port() -> int:
 def harness(tmp_path: Path, fixture_dir, monkeypatch: pytest.MonkeyPatch):
     """merged_serving's folders in tmp_path, a tiny Kimi-K2.5 fixture as 'the slice', the stand-in server on the
     serving toolchain's path, this python as every toolchain."""
-    fake = tmp_path / "fake"
-    (fake / "sglang").mkdir(parents=True)
-    (fake / "sglang" / "__init__.py").write_text("")
-    (fake / "sglang" / "launch_server.py").write_text(FAKE_SERVER)
     monkeypatch.setattr(ms, "BUILD", tmp_path / "build")
     monkeypatch.setattr(ms, "ROOT", tmp_path / "build" / "merged")
     monkeypatch.setattr(ms, "RESULTS", tmp_path / "build" / "merged" / "results")
@@ -128,7 +43,7 @@ def harness(tmp_path: Path, fixture_dir, monkeypatch: pytest.MonkeyPatch):
     ms.ROOT.mkdir(parents=True)
     (ms.ROOT / "depth.json").write_text(json.dumps({"moe_layers": 2}))
     shutil.copytree(fixture_dir("kimi-k2.5"), ms.ROOT / "moe2" / "model")
-    sets = [f"toolchains.serve.env.PYTHONPATH={fake}", f"serving.port={_free_port()}", "serving.ready_timeout_s=60",
+    sets = [f"toolchains.serve.env.PYTHONPATH={FAKE_SGLANG}", f"serving.port={_free_port()}", "serving.ready_timeout_s=60",
             "serving.kt_cpuinfer=2"]
 
     def run(*argv: str) -> int:
