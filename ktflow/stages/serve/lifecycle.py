@@ -55,7 +55,7 @@ from ktflow.stages.serve.records import (
     resolve_api_key,
 )
 from ktflow.stages.serve.sglang import BACKEND as SGLANG
-from ktflow.store import read_manifest
+from ktflow.store import existing_ancestor, read_manifest
 
 
 def backend_for(recipe: Recipe) -> Backend:
@@ -243,8 +243,9 @@ def serve(
     mode = mode or recipe.serving.resolved_mode
     settings = None
     if measured_settings and backend is SGLANG:
-        recipe, settings = _with_measured_levers(recipe, model_dir, host or hardware.probe_host(recipe.store.root),
-                                                 mode, log)
+        # probed where the preflight below would probe it, and given to it: the host is read once
+        host = host or hardware.probe_host(existing_ancestor(record_dir.parent))
+        recipe, settings = _with_measured_levers(recipe, model_dir, host, mode, log)
     host = preflight("serve", serve_needs(recipe, measure_serve(model_dir, kt_weight_dir)), record_dir, host=host)
     key, key_file = resolve_api_key(recipe, record_dir, api_key)
     return _start_endpoint(
