@@ -307,7 +307,7 @@ def _serving_settings(line: StageEstimate, recipe: Recipe, host: HostInfo) -> Re
         kept_levers,
         lever_settings,
         measured_decode,
-        recipe_with_measured_levers,
+        recipe_with_levers,
         split_choice,
     )
 
@@ -319,9 +319,9 @@ def _serving_settings(line: StageEstimate, recipe: Recipe, host: HostInfo) -> Re
                                        "store: `ktflow tune-serving RECIPE` measures one)")
         return recipe
     applied, _ = split_choice(recipe.serving, record)
-    served, said = recipe_with_measured_levers(recipe, host.machine, model)
+    served, said = recipe_with_levers(recipe, record)  # the record read above, applied as the serve stage does
     line.serving_settings = lever_settings(served.serving, host.physical_cores)
-    line.serving_settings_basis = said or ""
+    line.serving_settings_basis = said
     if served is not recipe or not applied:
         line.measured_decode_tokens_per_s = measured_decode(record, applied)
     return served

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from ktflow.host.hardware import HostInfo
+from ktflow.planning.costs import KT_BYTES_PER_PARAM
 from ktflow.recipe import ModelFacts, Recipe, ServingConfig
 from ktflow.recipe.serving import MERGED_METHODS
 from ktflow.stages.serve.backend import Log, ServeMode
@@ -48,8 +49,6 @@ DEFAULT_CONTEXT_TOKENS = 16 * 1024  # the KV pool a GPU share keeps room for whe
 AMX_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's AMX formats: the merge stage writes them, the GPU holds none
 BASELINE = "baseline"
 COMBINED = "combined"
-# Bytes a routed-expert parameter takes on the GPU, by method, where the source's own stored size does not say.
-_GPU_EXPERT_BYTES_PER_PARAM = {"BF16": 2.0, "RAWINT4": 0.5625}
 
 
 class ServedModel(BaseModel):
@@ -132,7 +131,8 @@ def gpu_expert_share(size: ModelFacts, card_bytes: int, *, method: str, gpus: in
     if method == "RAWINT4" and size.expert_stored_bytes:
         per_expert = size.expert_stored_bytes / experts
     else:
-        per_expert = size.expert_parameters / experts * _GPU_EXPERT_BYTES_PER_PARAM.get(method, 2.0)
+        # where the source's stored size does not say: Kimi's packed INT4 for RAWINT4, else BF16
+        per_expert = size.expert_parameters / experts * KT_BYTES_PER_PARAM["rawint4" if method == "RAWINT4" else "bf16"]
     expert_bytes = int(per_expert / ranks)
     non_expert = (size.stored_bytes - size.expert_stored_bytes) // ranks
     kv = size.kv_bytes_per_token * context_tokens // (1 if size.kv_latent else ranks)
@@ -488,8 +488,12 @@ def recipe_with_measured_levers(recipe: Recipe, machine: str, model: ServedModel
     if recipe.serving.backend != "sglang":
         return recipe, None
     record = kept_levers(recipe.store.root, machine, model)
-    if record is None:
-        return recipe, None
+    return (recipe, None) if record is None else recipe_with_levers(recipe, record)
+
+
+def recipe_with_levers(recipe: Recipe, record: ServingLevers) -> tuple[Recipe, str]:
+    """``recipe`` with ``record``'s choice applied (:func:`apply_measured_levers`), and the line that says so; the
+    recipe as it is where it refuses the choice, said in the line."""
     try:
         serving, line = apply_measured_levers(recipe.serving, record)
         return recipe.model_copy(update={"serving": serving}), line
