@@ -16,7 +16,8 @@ from ktflow.planning.sizing import ModelSize
 from ktflow.units import GB, GiB
 
 _RUNTIME_BYTES = GiB  # python + torch (+ kt-kernel): the merge's own footprint
-_WORKER_BYTES_PER_PARAM = 8 + 2 + 4  # one expert weight in float64 (the merge), BF16 and float32 (the encoder)
+# What a merge worker holds per parameter of the weight it makes: float64 (the merge), BF16 and float32 (the encoder)
+MERGE_WORKER_BYTES_PER_PARAM = 8 + 2 + 4
 
 
 class MergeEstimate(BaseModel):
@@ -43,7 +44,7 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
     embedding = 2 * size.vocab_size * size.hidden_size  # the largest single tensor a worker holds (copied)
     matrix = size.expert_parameters // max(layers * size.routed_experts * 3, 1)  # one expert projection
     # the stage runs a worker a core: the embedding copied (read and written) beside one expert weight a core
-    in_flight = 2 * embedding + cores * matrix * _WORKER_BYTES_PER_PARAM
+    in_flight = 2 * embedding + cores * matrix * MERGE_WORKER_BYTES_PER_PARAM
     write_rate = costs.dequantize_bytes_per_s
     quant_rate = costs.quantize_bytes_per_core_s * cores
     if method == "BF16":

@@ -71,6 +71,7 @@ from ktflow.formats.safetensors_io import (
 )
 from ktflow.host.hardware import physical_cores
 from ktflow.host.process import single_thread_torch
+from ktflow.planning.merge_cost import MERGE_WORKER_BYTES_PER_PARAM
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -212,7 +213,7 @@ class _Item:
         if self.kind == "copy":
             return 2 * self.nbytes
         rows, cols = self.outputs[0][2][0], self.outputs[0][2][-1] * (8 if self.kind == "reencode" else 1)
-        return rows * cols * (8 + 2 + 4)
+        return rows * cols * MERGE_WORKER_BYTES_PER_PARAM
 
 
 _Base = CheckpointTensors  # the base checkpoint: headers on demand, one tensor read at a time
@@ -315,9 +316,14 @@ class MergeSizes(BaseModel):
     layer_quant_bytes: int = 0  # ... and quantized
 
 
+def _workers(request: MergeRequest) -> int:
+    """Tensors merged at once: the request's, else a worker a physical core."""
+    return request.workers or physical_cores()
+
+
 def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
     """The host's CPU (kt-kernel formats), RAM for a few tensors per worker (or one MoE layer), disk for the output."""
-    workers = request.workers or physical_cores()
+    workers = _workers(request)
     if sizes.method in KT_METHODS:
         ram = sizes.layer_bf16_bytes + 2 * sizes.layer_quant_bytes + _DRIVER_BASE_BYTES
         why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts + its quantized form in "
@@ -478,7 +484,7 @@ def _measure(job: _Job, resumed: Path | None) -> MergeSizes:
                       largest_tensor_bytes=max((item.nbytes for items in job.plans.values() for item in items),
                                                default=0),
                       in_flight_bytes=sum(sorted((item.worker_bytes for items in job.plans.values() for item in items),
-                                                 reverse=True)[:job.request.workers or physical_cores()]),
+                                                 reverse=True)[:_workers(job.request)]),
                       layer_bf16_bytes=layer_bf16, layer_quant_bytes=layer_quant)
 
 
@@ -553,7 +559,7 @@ def _check_unchanged(job: _Job) -> None:
 
 
 def _work(job: _Job, staging: Path) -> None:
-    workers = job.request.workers or physical_cores()
+    workers = _workers(job.request)
     shards = list(job.plans.items())
     kt_layers = len(job.layout.layers) if job.layout is not None else 0
     total = len(shards) + kt_layers
