@@ -70,7 +70,7 @@ def record_lengths(recipe: Recipe, model_dir: Path | None = None) -> RecordLengt
 
     if not all(Path(f).is_file() for f in recipe.dataset.files):
         return None
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     counted, total = [], 0
     try:
         for messages in record_messages(recipe.dataset):
@@ -87,7 +87,8 @@ def record_lengths(recipe: Recipe, model_dir: Path | None = None) -> RecordLengt
                          basis=f"{sample}, counted with {how}, cut at cutoff_len {recipe.sft.cutoff_len}")
 
 
-def _tokenizer(model_dir: Path | None) -> Any:
+def load_tokenizer(model_dir: Path | None) -> Any:
+    """The model's tokenizer, or None where ``model_dir`` holds no model or its tokenizer does not load."""
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         return None
     try:

@@ -99,14 +99,12 @@ def loss_records(recipe: Recipe, model_dir: Path, count: int) -> list[list[int]]
     """The first ``count`` training records as token ids, with the model's tokenizer and chat template (cut at
     ``sft.cutoff_len``); none where the dataset files or the tokenizer are not here."""
     from ktflow.formats.dataset import record_messages
+    from ktflow.planning.batch_shape import load_tokenizer
 
     if count <= 0 or not all(Path(f).is_file() for f in recipe.dataset.files):
         return []
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
-    except Exception:  # noqa: BLE001 - no tokenizer here: no served loss, said by the caller
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:  # no tokenizer here: no served loss, said by the caller
         return []
     records: list[list[int]] = []
     try:
