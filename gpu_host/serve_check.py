@@ -258,9 +258,11 @@ def _ids(encoded: Any) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def _leftovers(marker_pids: set[int]) -> list[dict]:
-    """The server's processes still running: its recorded pids, or any process naming sglang / launch_server,
-    except this process and its ancestors (the shell that started this check may name a tiny-sglang recipe)."""
+def _leftovers(marker_pids: set[int], scope: str | None = None) -> list[dict]:
+    """The server's processes still running: its recorded pids, or any process naming sglang / launch_server (with
+    ``scope``: only those whose command line also names it, e.g. the folder its models live in, so servers of
+    others on the machine do not count), except this process and its ancestors (the shell that started this check
+    may name a tiny-sglang recipe)."""
     import psutil
 
     me = psutil.Process()
@@ -271,7 +273,8 @@ def _leftovers(marker_pids: set[int]) -> list[dict]:
             cmd = " ".join(p.info["cmdline"] or [])
         except psutil.Error:
             continue
-        if (p.pid in marker_pids or "sglang" in cmd or "launch_server" in cmd) and p.pid not in mine:
+        named = ("sglang" in cmd or "launch_server" in cmd) and (scope is None or scope in cmd)
+        if (p.pid in marker_pids or named) and p.pid not in mine:
             left.append({"pid": p.pid, "cmd": cmd[:200]})
     return left
 
