@@ -49,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -435,6 +436,31 @@ def _server_argv(pid: int) -> list[str] | None:
     return cmdline[cmdline.index("--model-path"):] if "--model-path" in cmdline else cmdline
 
 
+def machine_boot() -> str:
+    """This machine as it runs now (hostname and kernel boot id): two servers with the same one ran on one machine,
+    one after the other, so one baseline serves both's comparison."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shared_baseline(levers: dict[str, Any], group: str) -> dict[str, Any] | None:
+    """Another step's served baseline measured on this machine since it booted, for ``group`` to compare with
+    instead of starting its own (a server start is ~1.5-2.5 min of a step's 9): only where it measured what this
+    group compares (the served loss, for ``methods``)."""
+    from ktflow.stages.serve.levers import BASELINE
+
+    here = machine_boot()
+    for other in LEVER_GROUPS:
+        base = levers.get(other, {}).get(BASELINE)
+        if (other != group and base and base.get("boot") == here and _served(lever_measurement(base))
+                and (group != "methods" or base.get("served_loss"))):
+            return {**base, "shared_from": other}
+    return None
+
+
 def run_server(work: MergedWork, spec: dict[str, Any], limit_s: float) -> dict[str, Any]:
     """:func:`serve_and_measure` in the serving toolchain, watched (killed past ``limit_s``; the server dies with it),
     then the endpoint stopped again whatever happened."""
@@ -448,6 +474,7 @@ def run_server(work: MergedWork, spec: dict[str, Any], limit_s: float) -> dict[s
     out = Path(spec["out"])
     doc = json.loads(out.read_text()) if out.is_file() else {"ok": False}
     doc["child"] = {k: ran[k] for k in ("rc", "outcome", "wall_s")}
+    doc["boot"] = machine_boot()
     if ran["rc"] != 0 or not doc.get("ok"):
         doc["child"]["log_tail"] = ran["log_tail"]
     return doc
@@ -533,8 +560,9 @@ def harness_candidates(recipe: Recipe, host: HostInfo) -> list[LeverCandidate]:
 
 
 def lever_groups(candidates: list[LeverCandidate]) -> dict[str, list[LeverCandidate]]:
-    """The candidates in this harness's groups (GROUP_FIELDS), each group its own baseline first (each step is a
-    device call of its own, so each measures the baseline again); ``combo`` holds the baseline only (its combination
+    """The candidates in this harness's groups (GROUP_FIELDS), each group its own baseline first (a step may run
+    on another machine than the one before, so each has a baseline of its own: measured, or another step's measured on
+    this machine since it booted, :func:`shared_baseline`); ``combo`` holds the baseline only (its combination
     is the product's ``combined_candidate`` of what the other groups measured). A lever of fields no group names
     goes to ``engine``."""
     from ktflow.stages.serve.levers import BASELINE
@@ -611,7 +639,7 @@ def measured_runs(levers: dict[str, Any], candidates: list[LeverCandidate],
     where = {BASELINE: "baseline"}
     if reference is not None:
         runs[0] = LeverRun(candidate=base, measurement=reference, correct=True, vs_baseline=1.0,
-                           verdict=f"ok: served (the {ref_group} step's baseline; each step measures its own)")
+                           verdict=f"ok: served (the {ref_group} step's baseline; each step has its own)")
     elif baselines:
         first = next(g for g in LEVER_GROUPS if g in baselines)
         runs[0] = LeverRun(candidate=base, measurement=baselines[first], correct=False,
@@ -717,6 +745,10 @@ def phase_levers(work: MergedWork) -> int:
         else:
             runs = [*runs, combined]
     done = levers.setdefault(group, {})
+    if not (BASELINE in done and done[BASELINE].get("ok")) and not work.args.again:
+        shared = shared_baseline(levers, group)
+        if shared:
+            done[BASELINE] = shared
     budget = START_S.get(work.moe_layers, 100.0) + LEVER_S
     status = 0
     for candidate in runs:

@@ -47,6 +47,7 @@ def main() -> int:
     parser.add_argument("--store", default=str(REPO / "build/gpu-host/probe-store"),
                         help="where the probes are kept (a later plan with this store reuses them)")
     parser.add_argument("--runs-store", help="a store with KT runs on this machine: the reference this host implies")
+    parser.add_argument("--methods", default="RAWINT4,BF16", help="which of the fit's methods to probe (comma-separated)")
     parser.add_argument("--out", default=str(REPO / "build/gpu-host/results"), help="results directory")
     args = parser.parse_args()
 
@@ -58,6 +59,8 @@ def main() -> int:
     rows = []
     for model, size in kt_step_model.model_sizes().items():
         for method, extra in (("RAWINT4", []), ("BF16", BF16)):
+            if method not in args.methods.split(","):
+                continue
             recipe = load_recipe(RECIPE, sets + extra)
             threads = kt_threads(recipe.sft, host.physical_cores)
             scale = probe_scale(recipe, size, host, threads, run=True, time_limit_s=args.time_limit)

@@ -4,7 +4,7 @@
 #   gpu_host/run.sh STEP...      steps: setup bf16 rawint4 killresume-bf16 convert-bf16 convert-rawint4
 #                                       losscheck-bf16 losscheck-rawint4 collect   (or: all)
 #                                probe (gpu_host/probe.py: ktflow's host probe, kt-kernel's SFT kernels at the fitted
-#                                       models' shapes, into results/probe-HOST.json; THREADS=T)
+#                                       models' shapes, into results/probe-HOST.json; THREADS=T, PROBE_METHODS=RAWINT4)
 #                                bigger than the GPU (gpu_host/big.py; one device call each, in this order):
 #                                       fixture-big sft-big hf-big convert-big kill-big resume-big report-big
 #                                       big-reduced (the same code at reduced size: fixture, 4 KT steps, convert)
@@ -323,7 +323,7 @@ for s in "${steps[@]}"; do
     resume-big) big resume || status=1 ;;
     report-big) big report ;;
     big-reduced) step_big_reduced || status=1 ;;
-    probe) t=$(date +%s); rc=0; "$PY" gpu_host/probe.py ${THREADS:+--threads "$THREADS"} --out "$RES" || rc=$?
+    probe) t=$(date +%s); rc=0; "$PY" gpu_host/probe.py ${THREADS:+--threads "$THREADS"} ${PROBE_METHODS:+--methods "$PROBE_METHODS"} --out "$RES" || rc=$?
            stamp probe "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
     slice-fixture-*) kslice fixture "${s#slice-fixture-}" || status=1 ;;
     slice-sft-*) kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} || status=1 ;;

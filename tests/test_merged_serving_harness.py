@@ -128,6 +128,21 @@ def _server(rate: float | None, sets: list[str] | None = None, *, loss: float | 
     return doc
 
 
+def test_a_baseline_is_shared_only_on_the_same_machine_since_it_booted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group reuses another group's served baseline of this machine and boot (one server start less a step), not
+    one of another machine or boot, not one that did not serve, and for ``methods`` only one with a served loss."""
+    monkeypatch.setattr(ms, "machine_boot", lambda: "host-a/boot-1")
+    here = {**_server(40.0), "boot": "host-a/boot-1"}
+    assert ms.shared_baseline({"engine": {"baseline": here}}, "gpu") == {**here, "shared_from": "engine"}
+    assert ms.shared_baseline({"engine": {"baseline": here}}, "engine") is None  # its own is not "another"
+    for other in ({**_server(40.0), "boot": "host-a/boot-0"}, {**_server(40.0), "boot": "host-b/boot-1"},
+                  {**_server(None), "boot": "host-a/boot-1"}, _server(40.0)):
+        assert ms.shared_baseline({"engine": {"baseline": other}}, "gpu") is None
+    assert ms.shared_baseline({"engine": {"baseline": here}}, "methods") is None  # no served loss to compare
+    with_loss = {**_server(40.0, loss=0.5), "boot": "host-a/boot-1"}
+    assert ms.shared_baseline({"engine": {"baseline": with_loss}}, "methods")["served_loss"]["loss"] == 0.5
+
+
 def test_the_chosen_settings_and_the_combination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The product's rules on what the steps measured: each lever judged against its own step's baseline (served
     loss compared where measured), the fastest correct chosen, the levers that beat theirs by 3 % combined."""
