@@ -756,6 +756,9 @@ def phase_levers(work: MergedWork) -> int:
         if candidate.status != "run":
             notes["skipped"].append({"lever": name, "why": f"{candidate.status}: {candidate.reason}"})
             continue
+        if work.args.levers and name != BASELINE and name not in work.args.levers.split(","):
+            notes["skipped"].append({"lever": name, "why": "not asked for this time (--levers)"})
+            continue
         if name in done and done[name].get("ok") and not work.args.again:
             continue
         if name != BASELINE and not _served(lever_measurement(done["baseline"]) if "baseline" in done else None):
@@ -1033,6 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="RAWINT4", help="merge: the expert format")
     parser.add_argument("--group", default="engine", choices=("engine", "gpu", "threads", "methods", "combo"),
                         help="levers: which levers")
+    parser.add_argument("--levers", default="", help="levers: only these of the group (comma-separated names)")
     parser.add_argument("--only", default="lora,merged,base", help="load: which servers, in this order")
     parser.add_argument("--name", default="bf16", choices=tuple(TINY_BASES), help="check: which tiny fixture")
     parser.add_argument("--again", action="store_true", help="measure again what was measured before")

@@ -337,7 +337,7 @@ for s in "${steps[@]}"; do
     merged-fixture) merged fixture ${MOE_LAYERS:+--moe-layers "$MOE_LAYERS"} || status=1 ;;
     merged-adapter) merged adapter ${RANDOM_ADAPTER:+--random} || status=1 ;;
     merged-merge) merged merge ${METHOD:+--method "$METHOD"} || status=1 ;;
-    merged-levers-*) serve_env; merged levers --group "${s#merged-levers-}" || status=1 ;;
+    merged-levers-*) serve_env; merged levers --group "${s#merged-levers-}" ${LEVERS:+--levers "$LEVERS"} || status=1 ;;
     merged-load) serve_env; merged load ${ONLY:+--only "$ONLY"} || status=1 ;;
     merged-check-*) serve_env; merged check --name "${s#merged-check-}" || status=1 ;;
     merged-report) merged report || status=1 ;;
