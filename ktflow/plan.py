@@ -42,6 +42,7 @@ from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, host_reco
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
+from ktflow.recipe.serving import kt_serving_threads
 from ktflow.resources import GpuNeed, RamNeed, StageName, check_requirement, gpu_shortfall, ram_shortfall
 from ktflow.units import GB, GiB, human_bytes
 
@@ -244,8 +245,8 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         if recipe.serving.backend == "sglang" and recipe.serving.kt_method:
             recipe = _serving_settings(line, recipe, host)
             serving = recipe.serving
-            decode = serve_decode_estimate(size, str(serving.kt_method), serving.kt_cpuinfer or host.physical_cores,
-                                           costs, mode=serving.resolved_mode)
+            threads = kt_serving_threads(serving.kt_cpuinfer, host.physical_cores)
+            decode = serve_decode_estimate(size, str(serving.kt_method), threads, costs, mode=serving.resolved_mode)
             if decode is not None:
                 line.decode_tokens_per_s = decode.tokens_per_s
                 line.time_basis = decode.basis
@@ -337,7 +338,7 @@ def _decode_by_mode(recipe: Recipe, host: HostInfo, size: ModelSize, costs: Cost
 
     serving = recipe.serving
     method = str(serving.kt_method)
-    threads = serving.kt_cpuinfer or host.physical_cores
+    threads = kt_serving_threads(serving.kt_cpuinfer, host.physical_cores)
 
     def predicted(mode: str) -> str:
         estimate = serve_decode_estimate(size, method, threads, costs, mode=mode)

@@ -86,7 +86,10 @@ def test_levers_on_a_one_node_host_without_amx() -> None:
     assert gpu.status == "run" and gpu.updates["kt_num_gpu_experts"] == 36 and "36 of 384" in gpu.why
     assert found["gpu-experts-36-dynamic"].updates["kt_enable_dynamic_expert_update"] is True
     assert found["chunked-prefill-4096"].updates["chunked_prefill_size"] == 4096
-    assert found["cpuinfer-14"].updates["kt_cpuinfer"] == 14 and found["cpuinfer-8"].status == "run"
+    # the recipe's threads unset: cores less 2 is what it serves with; every core and half of them are the levers
+    assert found["cpuinfer-16"].updates["kt_cpuinfer"] == 16 and found["cpuinfer-16"].status == "run"
+    assert found["cpuinfer-14"].status == "skipped" and "recipe's own thread count (14)" in found["cpuinfer-14"].reason
+    assert found["cpuinfer-8"].status == "run"
     assert found["threadpools-2"].status == "skipped" and "recipe's own" in found["threadpools-2"].reason
     for method in ("AMXINT4", "AMXINT8"):
         assert found[method].status == "skipped" and "no AMX" in found[method].reason
@@ -102,7 +105,8 @@ def test_levers_on_a_two_node_amx_host_and_a_refused_one() -> None:
     assert found["AMXINT8"].status == "run" and found["AMXINT8"].updates["kt_method"] == "AMXINT8"
     # the recipe judges candidates through the LoRA path, which cannot read AMXINT4 experts: refused, its words
     assert found["AMXINT4"].status == "refused" and "evaluation.candidate: offline" in found["AMXINT4"].reason
-    assert found["cpuinfer-62"].status == "run" and found["cpuinfer-32"].status == "run"
+    assert found["cpuinfer-64"].status == "run" and found["cpuinfer-32"].status == "run"
+    assert found["cpuinfer-62"].status == "skipped"  # the default: 64 cores less 2
     # an AMX format holds no GPU experts; KT's LoRA path none either; no GPU, none
     amx = _by_name(lever_candidates(load_recipe(KIMI, ["serving.mode=merged", "serving.kt_method=AMXINT8",
                                                        "serving.kt_threadpool_count=1", "evaluation.enabled=false"]),

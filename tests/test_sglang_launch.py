@@ -118,7 +118,7 @@ def test_rawint4_command_line(weights, adapter: Path) -> None:
     assert launch.argv[2] == launcher_code("KTFLOW_API_KEY")
     assert launch.launch_args == [
         "--model-path", str(model_dir), "--kt-weight-path", str(model_dir), "--kt-method", "RAWINT4",
-        "--kt-cpuinfer", "128", "--kt-threadpool-count", "2", "--kt-num-gpu-experts", "0",
+        "--kt-cpuinfer", "126", "--kt-threadpool-count", "2", "--kt-num-gpu-experts", "0",
         "--tensor-parallel-size", "1", "--host", "127.0.0.1", "--port", "30000",
         "--served-model-name", "kimi-k2.5", "--enable-lora", "--lora-backend", "triton",
         "--lora-paths", f"tuned={adapter}", "--max-running-requests", "4", "--disable-cuda-graph",
@@ -208,9 +208,11 @@ def test_kt_cpuinfer_above_physical_cores(weights, adapter: Path) -> None:
     r = recipe("kimi-k2.5-rawint4.yaml", "serving.kt_cpuinfer=129")
     with pytest.raises(HostRequirementError, match=r"serving\.kt_cpuinfer: is 129.*128 physical cores"):
         render(r, weights, adapter)
-    # unset, it is the host's physical cores, which always fits
-    launch = render(recipe("kimi-k2.5-rawint4.yaml"), weights, adapter, host=fake_host(cores=96))
-    assert launch.launch_args[launch.launch_args.index("--kt-cpuinfer") + 1] == "96"
+    # unset, it is the host's physical cores less the 2 sglang's own processes keep (at least half), which always fits
+    for cores, threads in ((96, "94"), (4, "2"), (2, "1"), (1, "1")):
+        r = recipe("kimi-k2.5-rawint4.yaml", "serving.kt_threadpool_count=1")
+        launch = render(r, weights, adapter, host=fake_host(cores=cores))
+        assert launch.launch_args[launch.launch_args.index("--kt-cpuinfer") + 1] == threads
 
 
 def test_kt_cpuinfer_below_threadpool_count(weights, adapter: Path) -> None:
@@ -421,7 +423,7 @@ def test_shipped_recipe_parses_with_sglang_kt(parsed: dict, name: str) -> None:
     assert ns["model_path"] == str(model_dir)
     assert ns["kt_method"] == s.kt_method
     assert ns["kt_weight_path"] == str(kt_dir)
-    assert ns["kt_cpuinfer"] == 128
+    assert ns["kt_cpuinfer"] == 126  # the 128 physical cores less the 2 sglang keeps
     assert ns["kt_threadpool_count"] == s.kt_threadpool_count
     assert ns["kt_num_gpu_experts"] == 0
     assert ns["enable_lora"] is True

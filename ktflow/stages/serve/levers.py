@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from ktflow.host.hardware import HostInfo
 from ktflow.planning.costs import KT_BYTES_PER_PARAM
 from ktflow.recipe import ModelFacts, Recipe, ServingConfig
-from ktflow.recipe.serving import MERGED_METHODS
+from ktflow.recipe.serving import MERGED_METHODS, kt_serving_threads
 from ktflow.stages.serve.backend import Log, ServeMode
 from ktflow.store import atomic_write_json, read_manifest
 from ktflow.units import GiB
@@ -162,14 +162,15 @@ def refusal(exc: ValidationError) -> str:
 def lever_candidates(recipe: Recipe, host: HostInfo, mode: ServeMode | None = None) -> list[LeverCandidate]:
     """The baseline (the recipe's serving section in ``mode``, default the recipe's) and each lever alone, for this
     host: CUDA graphs toggled; deferral 1 and 2; the whole model's share of the card in GPU experts, alone and with
-    dynamic expert update; chunked prefill 4096; KT threads at physical cores - 2 and cores / 2; two thread pools
-    (more than one NUMA node only); the AMX methods (an AMX CPU, merged mode). A lever the host cannot use is
-    ``skipped`` with why, one the recipe refuses ``refused`` with its message."""
+    dynamic expert update; chunked prefill 4096; KT threads at every physical core, cores - 2 and cores / 2 (the
+    count the recipe already serves with skipped); two thread pools (more than one NUMA node only); the AMX methods
+    (an AMX CPU, merged mode). A lever the host cannot use is ``skipped`` with why, one the recipe refuses
+    ``refused`` with its message."""
     serving = recipe.serving
     mode = mode or serving.resolved_mode
     method = str(serving.kt_method)
     cores = host.physical_cores
-    threads = serving.kt_cpuinfer or cores
+    threads = kt_serving_threads(serving.kt_cpuinfer, cores)
     out = [LeverCandidate(name=BASELINE, updates={"mode": mode}, why=f"the recipe's serving section, {mode} mode")]
 
     def lever(name: str, why: str, updates: dict[str, Any] | None = None, skipped: str = "") -> None:
@@ -193,7 +194,7 @@ def lever_candidates(recipe: Recipe, host: HostInfo, mode: ServeMode | None = No
           {"kt_num_gpu_experts": n, "kt_enable_dynamic_expert_update": True}, share_skip)
     lever("chunked-prefill-4096", "prefill in chunks of 4096 tokens", {"chunked_prefill_size": 4096},
           "the recipe's own value" if serving.chunked_prefill_size == 4096 else "")
-    for count in dict.fromkeys((max(cores - 2, 1), max(cores // 2, 1))):
+    for count in dict.fromkeys((cores, max(cores - 2, 1), max(cores // 2, 1))):
         lever(f"cpuinfer-{count}", f"{count} KT threads of {cores} physical cores", {"kt_cpuinfer": count},
               f"the recipe's own thread count ({threads})" if count == threads else "")
     numa = ("the recipe's own value" if serving.kt_threadpool_count == 2 else "" if host.numa_nodes > 1 else
@@ -505,7 +506,7 @@ def recipe_with_levers(recipe: Recipe, record: ServingLevers) -> tuple[Recipe, s
 def lever_settings(serving: ServingConfig, physical_cores: int) -> str:
     """A serving section's levers in a few words: ``RAWINT4, 16 threads x 1 pool, 0 GPU experts, graphs off``."""
     pools = serving.kt_threadpool_count
-    parts = [f"{serving.kt_method}", f"{serving.kt_cpuinfer or physical_cores} threads x {pools} "
+    parts = [f"{serving.kt_method}", f"{kt_serving_threads(serving.kt_cpuinfer, physical_cores)} threads x {pools} "
              f"pool{'s' if pools != 1 else ''}", f"{serving.kt_num_gpu_experts} GPU experts"]
     if serving.kt_enable_dynamic_expert_update:
         parts.append("dynamic experts")

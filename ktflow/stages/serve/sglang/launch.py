@@ -49,6 +49,7 @@ from ktflow.formats.checkpoint import inspect_checkpoint, load_config
 from ktflow.formats.kt_layout import MERGED_KT_DIR, has_kt_layout
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import INT4_FORMATS, Recipe
+from ktflow.recipe.serving import kt_serving_threads
 from ktflow.resources import MERGE_STAGE, QUANTIZE_INT8_STAGE
 from ktflow.stages.serve.sglang.inputs import KT_LAYOUT_STAGE
 from ktflow.store import StageManifest, read_manifest
@@ -270,12 +271,12 @@ def _check_host(recipe: Recipe, host: HostInfo, api_key_env_present: bool) -> in
     """The host's side: cores for ``--kt-cpuinfer`` (returned), GPUs for tensor parallelism, the API key."""
     serving = recipe.serving
     t = serving.kt_threadpool_count
-    cpuinfer = serving.kt_cpuinfer or host.physical_cores
+    cpuinfer = kt_serving_threads(serving.kt_cpuinfer, host.physical_cores)
     if cpuinfer > host.physical_cores:
         raise HostRequirementError(
             "serving.kt_cpuinfer", f"is {cpuinfer}, but {host.hostname} has {host.physical_cores} physical cores "
             "(threads beyond physical cores slow KT's CPU experts down).",
-            f"set serving.kt_cpuinfer to at most {host.physical_cores}, or leave it unset (all physical cores)",
+            f"set serving.kt_cpuinfer to at most {host.physical_cores}, or leave it unset (physical cores less 2)",
         )
     if cpuinfer < t:
         raise InvalidInputError(
