@@ -446,17 +446,17 @@ def machine_boot() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def shared_baseline(levers: dict[str, Any], group: str) -> dict[str, Any] | None:
+def shared_baseline(levers: dict[str, Any], group: str, *, with_loss: bool) -> dict[str, Any] | None:
     """Another step's served baseline measured on this machine since it booted, for ``group`` to compare with
     instead of starting its own (a server start is ~1.5-2.5 min of a step's 9): only where it measured what this
-    group compares (the served loss, for ``methods``)."""
+    group compares (the served loss, ``with_loss``)."""
     from ktflow.stages.serve.levers import BASELINE
 
     here = machine_boot()
     for other in LEVER_GROUPS:
         base = levers.get(other, {}).get(BASELINE)
         if (other != group and base and base.get("boot") == here and _served(lever_measurement(base))
-                and (group != "methods" or base.get("served_loss"))):
+                and (not with_loss or base.get("served_loss"))):
             return {**base, "shared_from": other}
     return None
 
@@ -746,7 +746,7 @@ def phase_levers(work: MergedWork) -> int:
             runs = [*runs, combined]
     done = levers.setdefault(group, {})
     if not (BASELINE in done and done[BASELINE].get("ok")) and not work.args.again:
-        shared = shared_baseline(levers, group)
+        shared = shared_baseline(levers, group, with_loss=served_tokens(work) is not None)
         if shared:
             done[BASELINE] = shared
     budget = START_S.get(work.moe_layers, 100.0) + LEVER_S
@@ -777,7 +777,7 @@ def phase_levers(work: MergedWork) -> int:
             continue
         merge = timed_merge(work, method, sets, limit_s=left - budget)
         spec = server_spec(work, "merged", f"lever-{group}-{name}", sets, load_args=LEVER_ARGS,
-                           tokens=served_tokens(work) if group == "methods" else None)
+                           tokens=served_tokens(work))
         room = room_for(work, spec)
         kept = {"lever_sets": sets, "candidate": candidate.model_dump(mode="json"), "merge": merge, "room": room}
         if not room["fits"]:

@@ -82,7 +82,7 @@ def test_the_groups_are_the_products_candidates(tmp_path: Path, monkeypatch: pyt
     share = names["gpu"][1]
     assert names == {"engine": ["baseline", "cuda-graphs-off", "deferral-1", "deferral-2"],
                      "gpu": ["baseline", share, f"{share}-dynamic", "chunked-prefill-4096"],
-                     "threads": ["baseline", "cpuinfer-14", "cpuinfer-8", "threadpools-2"],
+                     "threads": ["baseline", "cpuinfer-16", "cpuinfer-14", "cpuinfer-8", "threadpools-2"],
                      "methods": ["baseline", "AMXINT4", "AMXINT8"], "combo": ["baseline"]}
     assert ms.lever_sets(groups["engine"][0].updates) == []  # the baseline: MERGED_SETS alone
     assert ms.lever_sets(groups["engine"][1].updates) == ["serving.disable_cuda_graph=true"]
@@ -92,7 +92,8 @@ def test_the_groups_are_the_products_candidates(tmp_path: Path, monkeypatch: pyt
     assert ms.lever_sets(groups["methods"][2].updates) == ["serving.kt_method=AMXINT8"]
     assert ms.set_updates(ms.lever_sets(groups["gpu"][2].updates)) == groups["gpu"][2].updates  # and back
     # one NUMA node, no AMX here: the product's reasons
-    assert groups["threads"][3].status == "skipped" and "NUMA node" in groups["threads"][3].reason
+    assert groups["threads"][4].status == "skipped" and "NUMA node" in groups["threads"][4].reason
+    assert groups["threads"][2].status == "skipped"  # 14 = 16 cores less 2: what the baseline serves with
 
 
 def test_gpu_experts_are_the_whole_models_share_of_the_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,17 +131,19 @@ def _server(rate: float | None, sets: list[str] | None = None, *, loss: float | 
 
 def test_a_baseline_is_shared_only_on_the_same_machine_since_it_booted(monkeypatch: pytest.MonkeyPatch) -> None:
     """A group reuses another group's served baseline of this machine and boot (one server start less a step), not
-    one of another machine or boot, not one that did not serve, and for ``methods`` only one with a served loss."""
+    one of another machine or boot, not one that did not serve, and where losses are compared only one with a
+    served loss."""
     monkeypatch.setattr(ms, "machine_boot", lambda: "host-a/boot-1")
     here = {**_server(40.0), "boot": "host-a/boot-1"}
-    assert ms.shared_baseline({"engine": {"baseline": here}}, "gpu") == {**here, "shared_from": "engine"}
-    assert ms.shared_baseline({"engine": {"baseline": here}}, "engine") is None  # its own is not "another"
+    shared = ms.shared_baseline({"engine": {"baseline": here}}, "gpu", with_loss=False)
+    assert shared == {**here, "shared_from": "engine"}
+    assert ms.shared_baseline({"engine": {"baseline": here}}, "engine", with_loss=False) is None  # its own
     for other in ({**_server(40.0), "boot": "host-a/boot-0"}, {**_server(40.0), "boot": "host-b/boot-1"},
                   {**_server(None), "boot": "host-a/boot-1"}, _server(40.0)):
-        assert ms.shared_baseline({"engine": {"baseline": other}}, "gpu") is None
-    assert ms.shared_baseline({"engine": {"baseline": here}}, "methods") is None  # no served loss to compare
+        assert ms.shared_baseline({"engine": {"baseline": other}}, "gpu", with_loss=False) is None
+    assert ms.shared_baseline({"engine": {"baseline": here}}, "methods", with_loss=True) is None  # no loss to compare
     with_loss = {**_server(40.0, loss=0.5), "boot": "host-a/boot-1"}
-    assert ms.shared_baseline({"engine": {"baseline": with_loss}}, "methods")["served_loss"]["loss"] == 0.5
+    assert ms.shared_baseline({"engine": {"baseline": with_loss}}, "methods", with_loss=True)["served_loss"]["loss"] == 0.5
 
 
 def test_the_chosen_settings_and_the_combination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
