@@ -75,8 +75,9 @@ OWNED_FLAGS: dict[str, str] = {
 
 # Physical cores the serving host keeps out of kt-kernel's thread pool by default: sglang's scheduler drives the GPU
 # from a thread of its own and its tokenizer and detokenizer run as processes, and a KT pool on every core takes
-# their cores. Measured on a 16-core host serving the Kimi-K2.5 slice merged: 14 threads decoded 2.6x faster than
-# 16 (docs/results/merged-serving.md).
+# their cores (kt-kernel pins a thread a core and spins while it waits). Measured on a 16-core host serving the
+# Kimi-K2.5 slice merged: 14 threads decoded 2.6x faster than 16 (docs/results/merged-serving.md). KT's own guides
+# say as much: ~90 % of the physical cores, or the cores less one a GPU.
 SERVE_RESERVED_CORES = 2
 
 
