@@ -85,9 +85,18 @@ LEVER_ARGS = "--concurrency 1 --max-tokens 256 --requests-per-level 3"
 SERVED_LOSS_RECORDS = 16  # the slice's training records whose served loss each load server reports
 START_S = {1: 85.0, 2: 90.0, 3: 100.0}  # a warm server start by depth (docstring), for the phases' time budget
 LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwidth and stop
-# GPU experts: sglang-kt captures CUDA graphs of their MoE kernel (Marlin INT4, default triton config) at start; with
-# 34 experts a layer on an H100 that had not finished ~100 s into the capture, twice: give such a start more time
-GPU_EXPERTS_START_EXTRA_S = 240.0
+# GPU experts: their INT4 MoE GEMM is sglang's Marlin kernel, compiled by nvcc at its first call (the CUDA-graph
+# capture's warm-up): one nvcc process, ~180 template variants, minutes (two starts on an H100 host had not finished
+# it ~100 s into the capture). `run.sh serve-jit` builds it once into TVM_FFI_CACHE_DIR; without that build a GPU
+# experts lever is not started (GPU_EXPERTS_JIT), with it such a start gets a little more time for the capture.
+GPU_EXPERTS_START_EXTRA_S = 60.0
+GPU_EXPERTS_JIT = "*moe_wna16_marlin*"  # the built module's folder in TVM_FFI_CACHE_DIR
+
+
+def marlin_built() -> bool:
+    """sglang's Marlin MoE kernel is in the JIT cache the servers use (``run.sh serve-jit`` put it there)."""
+    cache = os.environ.get("TVM_FFI_CACHE_DIR")
+    return bool(cache) and any(Path(cache).glob(f"**/{GPU_EXPERTS_JIT}"))
 # Kimi-K2.5 whole (recipes/kimi-k2.5-rawint4.yaml's size block): what a card would give the GPU experts (the
 # product's gpu_expert_share, through its lever candidates: ktflow/stages/serve/levers.py).
 WHOLE_RECIPE = kimi_slice.WHOLE_RECIPE
@@ -768,8 +777,13 @@ def phase_levers(work: MergedWork) -> int:
         method = kt_method_of(sets)
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
         merged = merge_dir(work, method, sets)
-        extra = GPU_EXPERTS_START_EXTRA_S if any(x.startswith("serving.kt_num_gpu_experts=") and
-                                                 not x.endswith("=0") for x in sets) else 0.0
+        gpu_experts = any(x.startswith("serving.kt_num_gpu_experts=") and not x.endswith("=0") for x in sets)
+        if gpu_experts and not marlin_built():
+            notes["skipped"].append({"lever": name, "why": "sglang's Marlin MoE kernel is not built on this machine "
+                                                          "(minutes of nvcc at the first start): run `run.sh serve-jit` "
+                                                          "first"})
+            continue
+        extra = GPU_EXPERTS_START_EXTRA_S if gpu_experts else 0.0
         need = budget + extra + (0 if read_manifest(merged) else 90.0)
         if left < need:
             notes["skipped"].append({"lever": name, "why": f"{left:.0f} s left of the phase, ~{need:.0f} s needed: "

@@ -25,7 +25,8 @@
 #                                       rawint4: served = trained for each merged format) merged-report merged-clean
 #                                       pack-merged (the results into $RESULTS_OUT/merged-results.tar.gz)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
-#                                       serve-setup  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
+#                                       serve-setup  serve-jit (sglang's Marlin MoE kernel for GPU experts, built
+#                                       once: minutes of nvcc)  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
 #                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
 #                                       promotion-NAME (serve_check.py promotion: promote, a base server, a candidate
 #                                       judged beside production, promote, rollback, on the real server)
@@ -345,6 +346,10 @@ for s in "${steps[@]}"; do
     pack-merged) tar czf "${RESULTS_OUT:-$RES}/merged-results.tar.gz" -C "$B/merged" results \
                    && ls -la "${RESULTS_OUT:-$RES}/merged-results.tar.gz" ;;
     serve-setup) step_serve_setup || status=1 ;;
+    # sglang's Marlin MoE kernel (GPU experts of INT4 models) compiled once into TVM_FFI_CACHE_DIR: minutes of nvcc
+    serve-jit) serve_env; t=$(date +%s); rc=0
+               "$SERVE_PY" -c 'import torch; from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as m; m(torch.bfloat16)' || rc=$?
+               stamp serve-jit "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
     serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
     promotion-*) step_promotion "${s#promotion-}" || status=1 ;;
     serve-*) step_serve stage "${s#serve-}" || status=1 ;;

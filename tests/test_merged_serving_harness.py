@@ -335,3 +335,14 @@ def test_make_room_removes_other_views_and_merges_never_the_base(tmp_path: Path,
     room = ms.make_room(work, 10**9, keep={work.model, work.endpoint("merged-RAWINT4")})
     assert not room["fits"] and sorted(Path(p).name for p in room["removed"]) == ["model-view-a", "x"]
     assert work.model.is_dir() and (work.root / "endpoints/merged-RAWINT4/model-view-b").is_dir()
+
+
+def test_gpu_experts_wait_for_the_marlin_kernel_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU-experts lever starts only where `run.sh serve-jit` built sglang's Marlin MoE kernel into the JIT cache
+    (its first build is minutes of nvcc inside the server's CUDA-graph capture)."""
+    monkeypatch.delenv("TVM_FFI_CACHE_DIR", raising=False)
+    assert not ms.marlin_built()
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path))
+    assert not ms.marlin_built()
+    (tmp_path / "sgl_kernel_jit_moe_wna16_marlin_bf16_t_0123").mkdir()
+    assert ms.marlin_built()
