@@ -174,8 +174,9 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
              f"read at {read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s "
              f"predicted ({token_s * 1e3:.1f} ms + {size.moe_layers} MoE layers x {layer_s * 1e3:.1f} ms + "
              f"{costs.serve_decode_floors:.2f} floors a token: fitted on Kimi-K2.5 slices of 1 to 3 MoE layers and "
-             "a 7-MoE-layer model, checked on one run each not used to fit; "
-             "benchmarks/data/merged-serving/decode-model.json)")
+             "a 7-MoE-layer model, checked on one run each not used to fit, all with a KT thread on every core, "
+             "which serving no longer uses by default: 2 cores left free decoded a 1-MoE-layer slice 2.6x faster, "
+             "not yet refitted, so this is low; benchmarks/data/merged-serving/decode-model.json)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
                           floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
                           basis=basis)
