@@ -245,7 +245,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         if recipe.serving.backend == "sglang" and recipe.serving.kt_method:
             recipe = _serving_settings(line, recipe, host)
             serving = recipe.serving
-            threads = kt_serving_threads(serving.kt_cpuinfer, host.physical_cores)
+            threads = kt_serving_threads(serving, host.physical_cores)
             decode = serve_decode_estimate(size, str(serving.kt_method), threads, costs, mode=serving.resolved_mode)
             if decode is not None:
                 line.decode_tokens_per_s = decode.tokens_per_s
@@ -338,7 +338,7 @@ def _decode_by_mode(recipe: Recipe, host: HostInfo, size: ModelSize, costs: Cost
 
     serving = recipe.serving
     method = str(serving.kt_method)
-    threads = kt_serving_threads(serving.kt_cpuinfer, host.physical_cores)
+    threads = kt_serving_threads(serving, host.physical_cores)
 
     def predicted(mode: str) -> str:
         estimate = serve_decode_estimate(size, method, threads, costs, mode=mode)

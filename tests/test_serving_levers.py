@@ -279,6 +279,7 @@ def test_tune_serving_starts_a_server_per_configuration_and_serve_and_plan_use_t
     assert runs["deferral-2"].correct is False and runs["deferral-2"].measurement.served_loss == pytest.approx(0.06)
     assert runs["deferral-1"].vs_baseline > 1.3
     assert runs["cpuinfer-2"].candidate.status == "skipped"  # 4 cores: 4 - 2 = 4 / 2 = the recipe's own 2
+    assert runs["cpuinfer-4"].vs_baseline < 0.8 and "kt_cpuinfer" not in record.choice.updates  # every core: slower
     assert record.choice.name == COMBINED
     assert {"kt_max_deferred_experts_per_token": 1, "chunked_prefill_size": 4096}.items() <= \
         record.choice.updates.items()

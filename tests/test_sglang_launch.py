@@ -209,10 +209,14 @@ def test_kt_cpuinfer_above_physical_cores(weights, adapter: Path) -> None:
     with pytest.raises(HostRequirementError, match=r"serving\.kt_cpuinfer: is 129.*128 physical cores"):
         render(r, weights, adapter)
     # unset, it is the host's physical cores less the 2 sglang's own processes keep (at least half), which always fits
-    for cores, threads in ((96, "94"), (4, "2"), (2, "1"), (1, "1")):
+    for cores, threads in ((96, "94"), (4, "2"), (2, "1"), (1, "1")):  # one pool: at least 1 thread
         r = recipe("kimi-k2.5-rawint4.yaml", "serving.kt_threadpool_count=1")
         launch = render(r, weights, adapter, host=fake_host(cores=cores))
         assert launch.launch_args[launch.launch_args.index("--kt-cpuinfer") + 1] == threads
+    # two pools on a 2-core host: a thread each, not fewer
+    launch = render(recipe("kimi-k2.5-rawint4.yaml", "serving.kt_threadpool_count=2"), weights, adapter,
+                    host=fake_host(cores=2))
+    assert launch.launch_args[launch.launch_args.index("--kt-cpuinfer") + 1] == "2"
 
 
 def test_kt_cpuinfer_below_threadpool_count(weights, adapter: Path) -> None:

@@ -81,12 +81,13 @@ OWNED_FLAGS: dict[str, str] = {
 SERVE_RESERVED_CORES = 2
 
 
-def kt_serving_threads(kt_cpuinfer: int | None, physical_cores: int) -> int:
-    """The ``--kt-cpuinfer`` a server gets: the recipe's ``serving.kt_cpuinfer``, else the host's physical cores
-    less :data:`SERVE_RESERVED_CORES`, at least half of them (and one)."""
-    if kt_cpuinfer:
-        return kt_cpuinfer
-    return max(physical_cores - SERVE_RESERVED_CORES, (physical_cores + 1) // 2, 1)
+def kt_serving_threads(serving: ServingConfig, physical_cores: int) -> int:
+    """The ``--kt-cpuinfer`` a server gets: ``serving.kt_cpuinfer``, else the host's physical cores less
+    :data:`SERVE_RESERVED_CORES`, at least half of them and a thread for each of ``serving.kt_threadpool_count``
+    pools."""
+    if serving.kt_cpuinfer:
+        return serving.kt_cpuinfer
+    return max(physical_cores - SERVE_RESERVED_CORES, (physical_cores + 1) // 2, serving.kt_threadpool_count)
 
 
 def owned_flag_in(extra_args: list[str]) -> tuple[str, str] | None:

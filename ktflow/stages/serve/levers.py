@@ -170,7 +170,7 @@ def lever_candidates(recipe: Recipe, host: HostInfo, mode: ServeMode | None = No
     mode = mode or serving.resolved_mode
     method = str(serving.kt_method)
     cores = host.physical_cores
-    threads = kt_serving_threads(serving.kt_cpuinfer, cores)
+    threads = kt_serving_threads(serving, cores)
     out = [LeverCandidate(name=BASELINE, updates={"mode": mode}, why=f"the recipe's serving section, {mode} mode")]
 
     def lever(name: str, why: str, updates: dict[str, Any] | None = None, skipped: str = "") -> None:
@@ -506,7 +506,7 @@ def recipe_with_levers(recipe: Recipe, record: ServingLevers) -> tuple[Recipe, s
 def lever_settings(serving: ServingConfig, physical_cores: int) -> str:
     """A serving section's levers in a few words: ``RAWINT4, 16 threads x 1 pool, 0 GPU experts, graphs off``."""
     pools = serving.kt_threadpool_count
-    parts = [f"{serving.kt_method}", f"{kt_serving_threads(serving.kt_cpuinfer, physical_cores)} threads x {pools} "
+    parts = [f"{serving.kt_method}", f"{kt_serving_threads(serving, physical_cores)} threads x {pools} "
              f"pool{'s' if pools != 1 else ''}", f"{serving.kt_num_gpu_experts} GPU experts"]
     if serving.kt_enable_dynamic_expert_update:
         parts.append("dynamic experts")

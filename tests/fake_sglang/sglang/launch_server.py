@@ -3,7 +3,8 @@ would: the base model answers "hello", the adapter "hello (<adapter folder>) nya
 loaded a base request is refused (sglang-kt pairs its KT expert LoRA statically with that adapter).
 
 For ``ktflow tune-serving``: a streamed chat answer comes a token every TOKEN_S, sped up by the engine's levers as
-no real engine promises (deferral d: x(1 + d/2); chunked prefill 4096: x1.25), and ``/generate`` gives prompt
+no real engine promises (deferral d: x(1 + d/2); chunked prefill 4096: x1.25; more than 2 KT threads: x0.5, as
+a pool on every core of the tests' 4-core host would starve the scheduler), and ``/generate`` gives prompt
 logprobs of LOGPROB a token, except with deferral 2, whose answers are fast and wrong (its loss is 0.01 higher)."""
 
 import argparse
@@ -20,9 +21,11 @@ parser.add_argument("--served-model-name")
 parser.add_argument("--lora-paths", nargs="*")
 parser.add_argument("--kt-max-deferred-experts-per-token", type=int, default=0)
 parser.add_argument("--chunked-prefill-size", type=int, default=None)
+parser.add_argument("--kt-cpuinfer", type=int, default=None)
 args, _ = parser.parse_known_args(sys.argv[1:])
 TOKEN_S, LOGPROB = 0.01, -0.05
 speedup = (1 + args.kt_max_deferred_experts_per_token / 2) * (1.25 if args.chunked_prefill_size == 4096 else 1.0)
+speedup *= 0.5 if (args.kt_cpuinfer or 0) > 2 else 1.0
 logprob = LOGPROB - (0.01 if args.kt_max_deferred_experts_per_token == 2 else 0.0)
 adapters = dict(p.split("=", 1) for p in (args.lora_paths or []))
 models = [args.served_model_name] + [f"{args.served_model_name}:{a}" for a in adapters]

@@ -271,7 +271,7 @@ def _check_host(recipe: Recipe, host: HostInfo, api_key_env_present: bool) -> in
     """The host's side: cores for ``--kt-cpuinfer`` (returned), GPUs for tensor parallelism, the API key."""
     serving = recipe.serving
     t = serving.kt_threadpool_count
-    cpuinfer = kt_serving_threads(serving.kt_cpuinfer, host.physical_cores)
+    cpuinfer = kt_serving_threads(serving, host.physical_cores)
     if cpuinfer > host.physical_cores:
         raise HostRequirementError(
             "serving.kt_cpuinfer", f"is {cpuinfer}, but {host.hostname} has {host.physical_cores} physical cores "
