@@ -26,7 +26,8 @@
 #                                       pack-merged (the results into $RESULTS_OUT/merged-results.tar.gz)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-jit (sglang's Marlin MoE kernel for GPU experts, built
-#                                       once: minutes of nvcc)  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
+#                                       once: minutes of nvcc; serve-jit-bg and serve-jit-wait: the same beside
+#                                       other steps)  serve-NAME (ktflow's serve stage)  serve-cli-NAME (`ktflow serve`:
 #                                       the SFT run in this machine's store, converted, quantized for AMXINT8, served)
 #                                       promotion-NAME (serve_check.py promotion: promote, a base server, a candidate
 #                                       judged beside production, promote, rollback, on the real server)
@@ -350,6 +351,13 @@ for s in "${steps[@]}"; do
     serve-jit) serve_env; t=$(date +%s); rc=0
                "$SERVE_PY" -c 'import torch; from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as m; m(torch.bfloat16)' || rc=$?
                stamp serve-jit "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
+    # the same in the background (one nvcc process: a core), beside the steps after it; serve-jit-wait waits for it
+    serve-jit-bg) serve_env
+                  setsid nohup "$SERVE_PY" -c 'import torch; from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as m; m(torch.bfloat16)' \
+                    > "$RES/serve-jit.log" 2>&1 < /dev/null & echo $! > "$B/serve-jit.pid" ;;
+    serve-jit-wait) t=$(date +%s)
+                    while [ -f "$B/serve-jit.pid" ] && kill -0 "$(cat "$B/serve-jit.pid")" 2>/dev/null; do sleep 5; done
+                    stamp serve-jit-wait "$t" 0; tail -3 "$RES/serve-jit.log" 2>/dev/null ;;
     serve-cli-*) step_serve cli "${s#serve-cli-}" || status=1 ;;
     promotion-*) step_promotion "${s#promotion-}" || status=1 ;;
     serve-*) step_serve stage "${s#serve-}" || status=1 ;;
