@@ -92,11 +92,6 @@ LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwi
 GPU_EXPERTS_START_EXTRA_S = 60.0
 GPU_EXPERTS_JIT = "*moe_wna16_marlin*"  # the built module's folder in TVM_FFI_CACHE_DIR
 
-
-def marlin_built() -> bool:
-    """sglang's Marlin MoE kernel is in the JIT cache the servers use (``run.sh serve-jit`` put it there)."""
-    cache = os.environ.get("TVM_FFI_CACHE_DIR")
-    return bool(cache) and any(Path(cache).glob(f"**/{GPU_EXPERTS_JIT}"))
 # Kimi-K2.5 whole (recipes/kimi-k2.5-rawint4.yaml's size block): what a card would give the GPU experts (the
 # product's gpu_expert_share, through its lever candidates: ktflow/stages/serve/levers.py).
 WHOLE_RECIPE = kimi_slice.WHOLE_RECIPE
@@ -455,6 +450,12 @@ def machine_boot() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def marlin_built() -> bool:
+    """sglang's Marlin MoE kernel is in the JIT cache the servers use (``run.sh serve-jit`` put it there)."""
+    cache = os.environ.get("TVM_FFI_CACHE_DIR")
+    return bool(cache) and any(Path(cache).glob(f"**/{GPU_EXPERTS_JIT}"))
+
+
 def shared_baseline(levers: dict[str, Any], group: str, *, with_loss: bool) -> dict[str, Any] | None:
     """Another step's served baseline measured on this machine since it booted, for ``group`` to compare with
     instead of starting its own (a server start is ~1.5-2.5 min of a step's 9): only where it measured what this
@@ -754,8 +755,9 @@ def phase_levers(work: MergedWork) -> int:
         else:
             runs = [*runs, combined]
     done = levers.setdefault(group, {})
+    tokens = served_tokens(work)
     if not (BASELINE in done and done[BASELINE].get("ok")) and not work.args.again:
-        shared = shared_baseline(levers, group, with_loss=served_tokens(work) is not None)
+        shared = shared_baseline(levers, group, with_loss=tokens is not None)
         if shared:
             done[BASELINE] = shared
     budget = START_S.get(work.moe_layers, 100.0) + LEVER_S
@@ -777,7 +779,7 @@ def phase_levers(work: MergedWork) -> int:
         method = kt_method_of(sets)
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
         merged = merge_dir(work, method, sets)
-        gpu_experts = any(x.startswith("serving.kt_num_gpu_experts=") and not x.endswith("=0") for x in sets)
+        gpu_experts = bool(candidate.updates.get("kt_num_gpu_experts"))
         if gpu_experts and not marlin_built():
             notes["skipped"].append({"lever": name, "why": "sglang's Marlin MoE kernel is not built on this machine "
                                                           "(minutes of nvcc at the first start): run `run.sh serve-jit` "
@@ -791,7 +793,7 @@ def phase_levers(work: MergedWork) -> int:
             continue
         merge = timed_merge(work, method, sets, limit_s=left - budget)
         spec = server_spec(work, "merged", f"lever-{group}-{name}", sets, load_args=LEVER_ARGS,
-                           tokens=served_tokens(work))
+                           tokens=tokens)
         room = room_for(work, spec)
         kept = {"lever_sets": sets, "candidate": candidate.model_dump(mode="json"), "merge": merge, "room": room}
         if not room["fits"]:

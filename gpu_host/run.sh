@@ -183,6 +183,9 @@ step_collect() {
 
 # --------------------------------------------------------------------------- serving (SGLang)
 SERVE_PY="$REPO/$B/serve/bin/python"
+# sglang's Marlin MoE kernel (the GPU experts' GEMM of INT4 models), built by its first call (serve-jit, serve-jit-bg)
+MARLIN_BUILD='import torch; from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as m; m(torch.bfloat16)'
+
 serve_env() {  # what the serving steps' server needs in its environment
   export TVM_FFI_CACHE_DIR="$REPO/$B/tvm-ffi-cache"   # SGLang's jit_kernel builds (nvcc, first start only)
   # sglang-kt checks its kernel distribution at start; the bundle's sgl_kernel is upstream sglang-kernel 0.4.4
@@ -349,12 +352,11 @@ for s in "${steps[@]}"; do
     serve-setup) step_serve_setup || status=1 ;;
     # sglang's Marlin MoE kernel (GPU experts of INT4 models) compiled once into TVM_FFI_CACHE_DIR: minutes of nvcc
     serve-jit) serve_env; t=$(date +%s); rc=0
-               "$SERVE_PY" -c 'import torch; from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as m; m(torch.bfloat16)' || rc=$?
+               "$SERVE_PY" -c "$MARLIN_BUILD" || rc=$?
                stamp serve-jit "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
     # the same in the background (one nvcc process: a core), beside the steps after it; serve-jit-wait waits for it
     serve-jit-bg) serve_env
-                  setsid nohup "$SERVE_PY" -c 'import torch; from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as m; m(torch.bfloat16)' \
-                    > "$RES/serve-jit.log" 2>&1 < /dev/null & echo $! > "$B/serve-jit.pid" ;;
+                  setsid nohup "$SERVE_PY" -c "$MARLIN_BUILD" > "$RES/serve-jit.log" 2>&1 < /dev/null & echo $! > "$B/serve-jit.pid" ;;
     serve-jit-wait) t=$(date +%s)
                     while [ -f "$B/serve-jit.pid" ] && kill -0 "$(cat "$B/serve-jit.pid")" 2>/dev/null; do sleep 5; done
                     stamp serve-jit-wait "$t" 0; tail -3 "$RES/serve-jit.log" 2>/dev/null ;;

@@ -73,23 +73,6 @@ OWNED_FLAGS: dict[str, str] = {
 }
 
 
-# Physical cores the serving host keeps out of kt-kernel's thread pool by default: sglang's scheduler drives the GPU
-# from a thread of its own and its tokenizer and detokenizer run as processes, and a KT pool on every core takes
-# their cores (kt-kernel pins a thread a core and spins while it waits). Measured on a 16-core host serving the
-# Kimi-K2.5 slice merged: 14 threads decoded 2.6x faster than 16 (docs/results/merged-serving.md). KT's own guides
-# say as much: ~90 % of the physical cores, or the cores less one a GPU.
-SERVE_RESERVED_CORES = 2
-
-
-def kt_serving_threads(serving: ServingConfig, physical_cores: int) -> int:
-    """The ``--kt-cpuinfer`` a server gets: ``serving.kt_cpuinfer``, else the host's physical cores less
-    :data:`SERVE_RESERVED_CORES`, at least half of them and a thread for each of ``serving.kt_threadpool_count``
-    pools."""
-    if serving.kt_cpuinfer:
-        return serving.kt_cpuinfer
-    return max(physical_cores - SERVE_RESERVED_CORES, (physical_cores + 1) // 2, serving.kt_threadpool_count)
-
-
 def owned_flag_in(extra_args: list[str]) -> tuple[str, str] | None:
     """The first ``(token, owned flag)`` of ``extra_args`` that sets, aliases or abbreviates a flag in
     :data:`OWNED_FLAGS`; None when there is none. Values (negative numbers included) are skipped."""
@@ -297,3 +280,20 @@ class ServingConfig(_Strict):
         if self.mode != "auto":
             return self.mode
         return "merged" if self.kt_method in MERGED_METHODS else "lora"
+
+
+# Physical cores the serving host keeps out of kt-kernel's thread pool by default: sglang's scheduler drives the GPU
+# from a thread of its own and its tokenizer and detokenizer run as processes, and a KT pool on every core takes
+# their cores (kt-kernel pins a thread a core and spins while it waits). Measured on a 16-core host serving the
+# Kimi-K2.5 slice merged: 14 threads decoded 2.6x faster than 16 (docs/results/merged-serving.md). KT's own guides
+# say as much: ~90 % of the physical cores, or the cores less one a GPU.
+SERVE_RESERVED_CORES = 2
+
+
+def kt_serving_threads(serving: ServingConfig, physical_cores: int) -> int:
+    """The ``--kt-cpuinfer`` a server gets: ``serving.kt_cpuinfer``, else the host's physical cores less
+    :data:`SERVE_RESERVED_CORES`, at least half of them and a thread for each of ``serving.kt_threadpool_count``
+    pools."""
+    if serving.kt_cpuinfer:
+        return serving.kt_cpuinfer
+    return max(physical_cores - SERVE_RESERVED_CORES, (physical_cores + 1) // 2, serving.kt_threadpool_count)

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from ktflow.host.hardware import HostInfo
 from ktflow.planning.costs import KT_BYTES_PER_PARAM
 from ktflow.recipe import ModelFacts, Recipe, ServingConfig
-from ktflow.recipe.serving import MERGED_METHODS, kt_serving_threads
+from ktflow.recipe.serving import MERGED_METHODS, SERVE_RESERVED_CORES, kt_serving_threads
 from ktflow.stages.serve.backend import Log, ServeMode
 from ktflow.store import atomic_write_json, read_manifest
 from ktflow.units import GiB
@@ -194,7 +194,7 @@ def lever_candidates(recipe: Recipe, host: HostInfo, mode: ServeMode | None = No
           {"kt_num_gpu_experts": n, "kt_enable_dynamic_expert_update": True}, share_skip)
     lever("chunked-prefill-4096", "prefill in chunks of 4096 tokens", {"chunked_prefill_size": 4096},
           "the recipe's own value" if serving.chunked_prefill_size == 4096 else "")
-    for count in dict.fromkeys((cores, max(cores - 2, 1), max(cores // 2, 1))):
+    for count in dict.fromkeys((cores, max(cores - SERVE_RESERVED_CORES, 1), max(cores // 2, 1))):
         lever(f"cpuinfer-{count}", f"{count} KT threads of {cores} physical cores", {"kt_cpuinfer": count},
               f"the recipe's own thread count ({threads})" if count == threads else "")
     numa = ("the recipe's own value" if serving.kt_threadpool_count == 2 else "" if host.numa_nodes > 1 else
