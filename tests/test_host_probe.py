@@ -127,9 +127,16 @@ def test_a_plan_probes_once_per_machine_and_the_next_plan_reuses_it(tmp_path: Pa
     assert calls == [host.machine] and cache_path(tmp_path, host.machine).is_file()
     assert first.kt_probe is not None and first.kt_probe.probe is not None
     assert "KT probe: kt-kernel 0.7.2" in first.time_basis and "forward 200.0 ms" in first.time_basis
-    # the machine of the fit was never probed: the figures are reported, the prediction is the fitted one
-    assert "never probed" in first.time_basis and first.step_seconds == pytest.approx(fitted.step_seconds)
-    assert first.kt_probe.factor == 1.0 and first.kt_probe.ratio > 0 and first.kt_probe.reference is None
+    # RAWINT4 ships a reference: the probe's ratio over it scales the prediction, and the plan says by how much
+    reference = COSTS.kt_probe_reference["RAWINT4_SFT"]
+    assert first.kt_probe.reference == reference
+    assert first.kt_probe.factor == pytest.approx(first.kt_probe.ratio / reference)
+    assert f"the reference {reference:.2f}x" in first.time_basis and f"x{first.kt_probe.factor:.2f}" in first.time_basis
+    # without a reference for the method, the figures are reported and the prediction is the fitted one
+    unreferenced = _plan_sft(recipe, host, size=size, costs=COSTS.model_copy(update={"kt_probe_reference": {}}))
+    assert "no host with KT runs has probed RAWINT4_SFT" in unreferenced.time_basis
+    assert unreferenced.step_seconds == pytest.approx(fitted.step_seconds)
+    assert unreferenced.kt_probe.factor == 1.0 and unreferenced.kt_probe.reference is None
     second = _plan_sft(recipe, host, size=size, probe=True)
     assert calls == [host.machine] and second.kt_probe.probe == first.kt_probe.probe  # kept, not run again
     other = host.model_copy(update={"cpu_model": "another CPU"})
@@ -141,7 +148,7 @@ def test_a_plan_probes_once_per_machine_and_the_next_plan_reuses_it(tmp_path: Pa
 def test_with_a_reference_the_probe_scales_kts_cpu_passes_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _count_runs(monkeypatch)
     recipe, size, host = _recipe(tmp_path), _size(), _h100()
-    fitted = _plan_sft(recipe, host, size=size, probe=True)
+    fitted = _plan_sft(recipe, host, size=size, probe=True, costs=COSTS.model_copy(update={"kt_probe_reference": {}}))
     ratio = fitted.kt_probe.ratio
     costs = COSTS.model_copy(update={"kt_probe_reference": {"RAWINT4_SFT": ratio / 2}})  # this host: 2x slower
     scaled = _plan_sft(recipe, host, size=size, costs=costs)
@@ -199,4 +206,23 @@ def test_the_doctor_shows_the_probe_kept_for_this_machine(tmp_path: Path, monkey
     document = json.loads(capsys.readouterr().out)
     probe = document["kt_probe"]["probe"]
     assert probe["machine"] == here.machine and probe["forward_s"] > 0 and probe["backward_s"] > 0
-    assert "never probed" in document["kt_probe"]["basis"]
+    assert "the reference" in document["kt_probe"]["basis"] and "KT's CPU passes x" in document["kt_probe"]["basis"]
+
+
+def test_the_shipped_reference_is_the_estimate_of_the_probed_hosts_and_checks_on_the_host_left_out() -> None:
+    """CostModel.kt_probe_reference is benchmarks/probe_reference.py's estimate (reference.json) from the hosts with
+    a probe and a KT run, recomputed here with today's time model (a constant refitted since makes it stale); each
+    host's step predicted with the other's estimate is within 10 % of what it measured."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_reference", REPO / "benchmarks" / "probe_reference.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    document = json.loads((script.DATA / "reference.json").read_text())
+    assert COSTS.kt_probe_reference[document["method"]] == pytest.approx(document["reference"], abs=1e-3)
+    points = [script.host_point(script.DATA / p["host"]) for p in document["hosts"]]
+    assert len(points) >= 2
+    for kept, now in zip(document["hosts"], points):
+        assert now["reference_estimate"] == pytest.approx(kept["reference_estimate"], rel=1e-6)
+    for check in document["out_of_sample"]:
+        assert abs(check["error_with_probe"]) < 0.10

@@ -120,11 +120,14 @@ class CostModel(BaseModel):
     # from kt-kernel's own SFT kernels timed there (ktflow.planning.host_probe): 1 as shipped, and where the host
     # has KT runs (their factor above covers the whole step).
     kt_cpu_factor: float = 1.0
-    # What that probe measures on the machine of the fit, as its measured / predicted seconds, by kt-kernel SFT
-    # method: the probe's ratio on a host divided by this is the host's kt_cpu_factor. Empty: the machine of the
-    # fit was never probed, so no host is scaled by its probe (the plan says so). A host that has both a probe
-    # and KT runs fills it in: its probe ratio / its runs' measured-to-predicted step (gpu_host/run.sh probe).
-    kt_probe_reference: dict[str, float] = {}
+    # What that probe measures on a machine the time model fits exactly, as its measured / predicted seconds, by
+    # kt-kernel SFT method: the probe's ratio on a host divided by this is the host's kt_cpu_factor. A method
+    # without one is not scaled by its probe (the plan says so). The machine of the fit was never probed, so it is
+    # estimated from hosts with both a probe and a KT run (benchmarks/probe_reference.py, its data in
+    # benchmarks/data/plan-probe/): RAWINT4, the Kimi-K2.5 slice at 1 MoE layer, 5 steps on an H200 + 16-core host
+    # (1.157) and an H200 + 64-core host (1.096); each estimate put the other host's step within 5 % (+4.6 %,
+    # -3.5 %; as fitted: -4.8 %, -8.2 %).
+    kt_probe_reference: dict[str, float] = Field(default_factory=lambda: {"RAWINT4_SFT": 1.127})
 
 
 COSTS = CostModel()

@@ -15,9 +15,9 @@ next plan reuses it.
 The scale: the time model predicts the probe's own work as it predicts a step's KT passes; the
 probe's measured / predicted seconds on a host, divided by the same ratio on the machine of the fit
 (``CostModel.kt_probe_reference``, by method), scales KT's CPU passes (``kt_cpu_factor``). That
-machine was never probed, so the reference is empty and the prediction stays as fitted; the plan
-reports the probe's figures and says so. A host that has a probe and KT runs fills it in: its probe
-ratio / its runs' measured-to-predicted step is the reference's estimate (``gpu_host/run.sh probe``).
+machine was never probed: the reference is estimated from hosts with both a probe and KT runs (their
+probe ratio over the factor their runs' CPU passes needed; ``benchmarks/probe_reference.py``). A method
+with no reference yet keeps the prediction as fitted, and the plan reports the probe's figures and says so.
 A host with KT runs is calibrated by them instead (:func:`~ktflow.planning.host_speed.calibrated_costs`).
 A host whose CPU has no kt-kernel SFT kernels, or no toolchain with kt-kernel, is planned as before,
 and the plan says why it was not probed.
@@ -262,7 +262,7 @@ def probe_scale(recipe: Recipe, size: ModelSize, host: HostInfo, threads: int, c
 
     The probe kept for ``host.machine`` with these settings is used; without one, ``run`` (this machine is
     ``host``) runs it and keeps the result. The factor is 1 (the prediction as fitted) unless the probe
-    measured and ``costs.kt_probe_reference`` holds the machine of the fit's ratio for the method.
+    measured and ``costs.kt_probe_reference`` holds the method's reference ratio.
     """
     fitted = "the prediction as fitted"
     settings = probe_settings(recipe.sft, size, threads, weight_bytes)
@@ -294,8 +294,9 @@ def probe_scale(recipe: Recipe, size: ModelSize, host: HostInfo, threads: int, c
     measured = f"KT probe: {probe.figures()}: {ratio:.2f}x the model's {predicted * 1e3:.1f} ms"
     if not reference:
         return ProbeScale(probe=probe, predicted_s=predicted, ratio=ratio,
-                          basis=f"{measured}; not used: the machine of the fit was never probed, so there is no "
-                                f"reference to scale by; {fitted}")
+                          basis=f"{measured}; not used: no host with KT runs has probed {settings.method} yet, so there "
+                                f"is no reference to scale by; {fitted}")
     factor = ratio / reference
     return ProbeScale(factor=factor, probe=probe, predicted_s=predicted, ratio=ratio, reference=reference,
-                      basis=f"{measured}, the machine of the fit {reference:.2f}x: KT's CPU passes x{factor:.2f}")
+                      basis=f"{measured}, the reference {reference:.2f}x (hosts with KT runs): KT's CPU passes "
+                            f"x{factor:.2f}")

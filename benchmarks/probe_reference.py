@@ -1,0 +1,115 @@
+"""Estimate the KT probe's reference (CostModel.kt_probe_reference) from hosts that have both a probe and a KT
+run, and check each estimate on the host not used to make it.
+
+The probe (ktflow.planning.host_probe) times kt-kernel's SFT expert kernels on a host and divides by what the time
+model predicts for them: its *ratio*. The plan scales KT's CPU passes on a host by ``ratio / reference``, where the
+reference is that ratio on a machine the time model fits exactly. No such machine was probed, so the reference is
+estimated from hosts with a KT run: there the CPU passes needed a factor ``f = (measured step - GPU part) / CPU
+part`` to match the measured step, so a machine with factor 1 would have probed ``ratio / f``.
+
+Inputs: ``benchmarks/data/plan-probe/HOST/sft.json`` (``gpu_host/run.sh merged-fixture merged-adapter``: the
+Kimi-K2.5 slice, one MoE layer, 5 KT RAWINT4 steps, ``ktflow plan``'s prediction with the probe saved before the
+run). The prediction's CPU and GPU parts are recomputed with ktflow's own time model (checked against the recorded
+step). The reference is the mean of the hosts' estimates; each host's prediction with the *other* host's estimate is
+the out-of-sample check.
+
+    .venv/bin/python benchmarks/probe_reference.py    # prints the table, writes plan-probe/reference.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ktflow.planning.costs import COSTS, kt_step_estimate  # noqa: E402
+from ktflow.planning.host_probe import kt_sft_method  # noqa: E402
+from ktflow.planning.sizing import ModelSize  # noqa: E402
+from ktflow.recipe import load_recipe  # noqa: E402
+
+DATA = REPO / "benchmarks" / "data" / "plan-probe"
+RECIPE = REPO / "gpu_host" / "slice-kt-rawint4.yaml"
+_PROBE = re.compile(r"forward ([\d.]+) ms .*?backward ([\d.]+) ms.*?: ([\d.]+)x the model's ([\d.]+) ms")
+_TOKENS = re.compile(r"([\d,]+) tokens a micro-batch")
+_THREADS = re.compile(r"KT step [\d.]+ s \((\d+) threads")
+
+
+def host_point(folder: Path) -> dict:
+    """One host's probe, prediction and measured step, the prediction split into its CPU and GPU parts."""
+    sft_doc = json.loads((folder / "sft.json").read_text())
+    predicted = sft_doc["predicted"]
+    basis = predicted["time_basis"]
+    probe = _PROBE.search(basis)
+    if probe is None:
+        raise SystemExit(f"{folder}: the recorded plan has no measured KT probe")
+    forward_ms, backward_ms, _, model_ms = (float(g) for g in probe.groups())
+    threads = int(_THREADS.search(basis).group(1))
+    tokens = int(_TOKENS.search(basis).group(1).replace(",", ""))
+    batch = sft_doc["adapter"]["manifest_extra"]["batch"]  # the batch shape the run trained with
+    dims = sft_doc["model"]["dims"]
+    layers = dims["num_hidden_layers"] - 1  # layer 0 is dense
+    experts = layers * dims["n_routed_experts"] * 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
+    size = ModelSize(path=str(folder), parameters=sft_doc["model"]["parameters"], hidden_size=dims["hidden_size"],
+                     num_layers=dims["num_hidden_layers"], vocab_size=dims["vocab_size"], linear_shapes={},
+                     expert_parameters=experts, moe_layers=layers, routed_experts=dims["n_routed_experts"],
+                     experts_per_token=dims["num_experts_per_tok"])
+    sft = load_recipe(RECIPE).sft.model_copy(update={
+        "per_device_train_batch_size": batch["per_device_train_batch_size"],
+        "gradient_accumulation_steps": batch["gradient_accumulation_steps"]})
+    fitted = COSTS.model_copy(update={"kt_probe_reference": {}})
+    estimate = kt_step_estimate(size, sft, threads, fitted, tokens)
+    if abs(estimate.step_s / predicted["step_s"] - 1) > 1e-3:
+        raise SystemExit(f"{folder}: the time model now predicts {estimate.step_s:.3f} s, the run's plan said "
+                         f"{predicted['step_s']:.3f} s: the constants changed since; refit from runs planned with them")
+    cpu = estimate.kt_forward_s + estimate.kt_backward_s
+    measured = sft_doc["steady_step_s"]
+    factor = (measured - estimate.gpu_s) / cpu
+    ratio = (forward_ms + backward_ms) / model_ms
+    return {"host": folder.name, "machine": (folder / "machine.txt").read_text().splitlines()[0],
+            "method": kt_sft_method(sft), "threads": threads, "tokens_per_micro_batch": tokens,
+            "probe_ms": forward_ms + backward_ms, "probe_model_ms": model_ms, "probe_ratio": ratio,
+            "predicted_step_s": estimate.step_s, "cpu_s": cpu, "gpu_s": estimate.gpu_s,
+            "measured_step_s": measured, "steady_step_spread_s": sft_doc.get("steady_step_spread_s"),
+            "cpu_factor": factor, "reference_estimate": ratio / factor}
+
+
+def main() -> int:
+    points = [host_point(folder) for folder in sorted(p for p in DATA.iterdir() if (p / "sft.json").is_file())]
+    if len(points) < 2:
+        raise SystemExit("at least two hosts are needed: one to estimate from, one to check on")
+    print(f"{'host':<18} {'threads':>7} {'probe/model':>11} {'predicted':>9} {'measured':>8} {'CPU factor':>10} "
+          f"{'reference':>9}")
+    for p in points:
+        print(f"{p['host']:<18} {p['threads']:>7} {p['probe_ratio']:>11.3f} {p['predicted_step_s']:>8.2f}s "
+              f"{p['measured_step_s']:>7.2f}s {p['cpu_factor']:>10.3f} {p['reference_estimate']:>9.3f}")
+    checks = []
+    for p in points:
+        others = [q["reference_estimate"] for q in points if q is not p]
+        reference = statistics.fmean(others)
+        scaled = p["gpu_s"] + p["cpu_s"] * p["probe_ratio"] / reference
+        checks.append({"host": p["host"], "reference_from_others": reference, "predicted_as_fitted_s": p["predicted_step_s"],
+                       "predicted_with_probe_s": scaled, "measured_s": p["measured_step_s"],
+                       "error_as_fitted": p["predicted_step_s"] / p["measured_step_s"] - 1,
+                       "error_with_probe": scaled / p["measured_step_s"] - 1})
+    print("\nout of sample (each host with the reference estimated from the others):")
+    for c in checks:
+        print(f"  {c['host']:<18} reference {c['reference_from_others']:.3f}: predicted {c['predicted_with_probe_s']:.2f} s "
+              f"({c['error_with_probe']:+.1%}) against {c['measured_s']:.2f} s measured; as fitted "
+              f"{c['predicted_as_fitted_s']:.2f} s ({c['error_as_fitted']:+.1%})")
+    reference = statistics.fmean(p["reference_estimate"] for p in points)
+    method = points[0]["method"]
+    print(f"\nkt_probe_reference[{method!r}] = {reference:.3f} (mean of {len(points)} hosts)")
+    out = DATA / "reference.json"
+    out.write_text(json.dumps({"method": method, "reference": round(reference, 3), "hosts": points,
+                               "out_of_sample": checks}, indent=1) + "\n")
+    print(f"written: {out.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
