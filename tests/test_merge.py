@@ -23,7 +23,7 @@ from ktflow.formats.quant_decode import decode_int4_pack_quantized
 from ktflow.formats.quant_encode import encode_int4_pack_quantized, int4_codes, pack_int4
 from ktflow.stages import merge as merge_stage
 from ktflow.stages.merge import merge_adapter
-from ktflow.store import read_manifest, staging_dir_for
+from ktflow.store import StageManifest, StoreLayout, atomic_write_json, read_manifest, staging_dir_for
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_PYTHON = REPO / ".venv-serve" / "bin" / "python"
@@ -502,3 +502,66 @@ def test_the_merge_command_merges_and_says_how_to_serve_it(fixture_dir, tmp_path
     assert read_manifest(out).stage == "merge"
     assert main(["merge", str(base), str(adapter), str(out), "--method", "BF16"]) == 0
     assert "merge: cache hit" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- room for a new merge
+
+
+def _published_merges(tmp_path: Path, sizes: dict[str, int]) -> StoreLayout:
+    """A store with a published merge of ``size`` bytes for each name, oldest first in the dict's order."""
+    layout = StoreLayout(root=tmp_path / "store")
+    for age, (name, size) in enumerate(sizes.items()):
+        merged = layout.merged(name)
+        merged.mkdir(parents=True)
+        (merged / "model.safetensors").write_bytes(b"\0" * size)
+        atomic_write_json(merged / "manifest.json", StageManifest(stage="merge", inputs={"name": name}).model_dump(
+            mode="json"))
+        os.utime(merged / "manifest.json", (1000 + age, 1000 + age))
+    return layout
+
+
+def _disk_of(layout: StoreLayout, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The merges' filesystem holds ``capacity`` bytes (the store's merges are all that is on it)."""
+    import ktflow.store
+
+    root = layout.merged("")
+    monkeypatch.setattr(ktflow.store, "free_bytes", lambda path: capacity - sum(
+        f.stat().st_size for f in root.rglob("*") if f.is_file()))
+
+
+def test_room_for_a_merge_removes_the_oldest_merges_not_kept_and_stops_when_there_is_enough(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = _published_merges(tmp_path, {"a": 1000, "b": 1000, "c": 1000, "d": 1000})
+    _disk_of(layout, 4500, monkeypatch)  # 500 free
+    said: list[str] = []
+    removed = merge_stage.evict_merges(layout, 1900, keep=[layout.merged("a")], log=said.append)
+    # "a" is kept (a server reads it), "b" then "c" go: 2,500 free; "d", the newest, stays
+    assert removed == [layout.merged("b"), layout.merged("c")]
+    assert [p.name for p in merge_stage.stored_merges(layout)] == ["a", "d"]
+    assert len(said) == 2 and said[0].startswith(f"removed the merge {layout.merged('b')} (")
+    assert not list(layout.merged("").glob(".*"))  # no lock, staging or half-removed merge left
+
+
+def test_room_for_a_merge_never_removes_a_merge_being_written_or_kept_and_clears_a_crashed_removal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ktflow.store import artifact_lock
+
+    layout = _published_merges(tmp_path, {"a": 1000, "b": 1000})
+    crashed = layout.merged("").joinpath(".old" + merge_stage.EVICTING_SUFFIX)
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes(b"\0" * 1000)
+    _disk_of(layout, 3000, monkeypatch)  # 0 free
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from ktflow.store import artifact_lock\n"
+        f"with artifact_lock(Path({str(layout.merged('a'))!r})):\n"
+        "    print('held', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        removed = merge_stage.evict_merges(layout, 2000, keep=[layout.merged("b")])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert removed == [] and not crashed.exists()  # the crashed removal's leftover is cleared first
+    assert [p.name for p in merge_stage.stored_merges(layout)] == ["a", "b"]  # "a" locked, "b" kept
+    with artifact_lock(layout.merged("a")):
+        pass

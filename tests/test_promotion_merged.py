@@ -5,14 +5,16 @@ tests/test_serve_sglang.py runs it.
 A promoted version serves its merge (made by the merge stage, kept in the store, no LoRA flags); a candidate is
 judged beside production through KT's LoRA path (no merge made for it), and one its gate rejects leaves
 production's process and merge as they were; a rollback serves the previous version's merge from the store, or
-rebuilds it when it was removed, and says which.
+rebuilds it when it was removed, and says which; a merge the disk has no room for removes the oldest merge no
+server reads.
 
-The three tests share one store and one production endpoint (the servers are the slow part); each first brings
+The tests share one store and one production endpoint (the servers are the slow part); each first brings
 production to the state it starts from through the same idempotent promotion, so any one of them runs alone."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -236,3 +238,43 @@ def test_a_promotion_serves_the_new_merge_and_a_rollback_the_previous_one_kept_o
     assert made and swapping and made[0] < swapping[0]  # rebuilt, and said so, while v2 still served
     assert not any(line.startswith("merged weights found in the store") for line in said[:made[0]])
     assert [m.to_version for m in registry_of(world.recipe).production().history][-5:] == [1, 2, 1, 2, 1]
+
+
+def test_a_merge_that_does_not_fit_removes_the_oldest_merge_no_server_reads(world: World, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room on the disk for two merges, promoting a third version removes the oldest merge no server reads
+    (never production's), says so, and serves the new merge; a rollback then finds production's former merge kept."""
+    import ktflow.store
+
+    world.promote(1)
+    world.promote(2)  # production v2; v1's merge kept beside it
+    if 3 not in world.adapters:
+        adapter = _converted(world.model, tmp_path / "v3", 3)
+        version = register_adapter(world.recipe, adapter_dir=adapter, sft_adapter_dir=_sft_run(tmp_path / "sft", "r3"),
+                                   base_dir=world.model)
+        world.adapters[version.version] = adapter.absolute()
+    os.utime(world.merge_of(1) / "manifest.json", (1, 1))  # v1's merge is the oldest
+    one = sum(f.stat().st_size for f in world.merge_of(2).rglob("*") if f.is_file())
+    real_free_bytes = ktflow.store.free_bytes
+
+    def free_bytes(path: Path) -> int:  # a filesystem of 2.5 merges for the store's merges
+        path = Path(path).absolute()
+        if path != world.merges and world.merges not in path.parents:
+            return real_free_bytes(path)
+        return max(int(2.5 * one) - sum(f.stat().st_size for f in world.merges.rglob("*") if f.is_file()), 0)
+
+    monkeypatch.setattr(ktflow.store, "free_bytes", free_bytes)
+    since = len(world.lines)
+    moved = world.promote(3)
+    assert moved.moved and (moved.version, moved.replaced) == (3, 2)
+    _assert_serves_merged(world, 3)
+    said = world.said(since)
+    assert any(line.startswith(f"removed the merge {world.merge_of(1)} (") for line in said)
+    assert not world.merge_of(1).exists() and world.merge_of(2).is_dir()  # production's merge was never a candidate
+    assert not list(world.merges.glob(".*.evicting"))
+
+    since = len(world.lines)
+    back = world.rollback()
+    assert back.moved and (back.version, back.replaced) == (2, 3)
+    _assert_serves_merged(world, 2)
+    assert f"merged weights found in the store: {world.merge_of(2)}" in world.said(since)

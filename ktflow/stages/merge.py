@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from pydantic import BaseModel
 
 from ktflow import store
 from ktflow._drivers import kt_int8 as driver
-from ktflow.errors import AdapterError, CheckpointError, InvalidInputError, KtflowError
+from ktflow.errors import AdapterError, ArtifactBusyError, CheckpointError, InvalidInputError, KtflowError
 from ktflow.formats.adapter import (
     ADAPTER_CONFIG,
     ADAPTER_MODEL,
@@ -754,6 +755,59 @@ def merged_dir_name(base_digest: str, adapter_digest: str, method: str, threadpo
     """The store folder of a merge (``store.layout.merged(...)``): its cache key, readable."""
     tail = f"-tp{threadpool_count}" if method in KT_METHODS and threadpool_count else ""
     return f"{base_digest[:16]}-{adapter_digest[:16]}-{method.lower()}{tail}"
+
+
+EVICTING_SUFFIX = ".evicting"  # a merge being removed: renamed first, so no reader ever finds half of one
+
+
+def stored_merges(layout: StoreLayout) -> list[Path]:
+    """The merges published in a store, oldest first (by when each was published)."""
+    root = layout.merged("")
+    if not root.is_dir():
+        return []
+    found = [path for path in root.iterdir()
+             if path.is_dir() and not path.name.startswith(".") and (path / store.MANIFEST_NAME).is_file()]
+    return sorted(found, key=lambda path: (path / store.MANIFEST_NAME).stat().st_mtime)
+
+
+def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
+                 log: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove a store's merges, oldest first, until ``need`` bytes are free on their filesystem.
+
+    A merge is as large as its model (~595 GB for Kimi-K2.5), so a store keeps every merge while the disk allows and
+    gives up the oldest when a new one does not fit; serving one again merges it again. Never removed: a merge in
+    ``keep`` (what a running server reads, the merge about to be made) or one another process holds the lock of.
+    Each is renamed out of the way before it is deleted, so a crash leaves no half of a merge where the serve stage
+    would look (a leftover is deleted by the next call).
+
+    Returns:
+        The merges removed (their former paths); empty when none could go.
+    """
+    root = layout.merged("")
+    if not root.is_dir():
+        return []
+    for leftover in root.glob(f".*{EVICTING_SUFFIX}"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    kept = {Path(path).absolute() for path in keep}
+    removed: list[Path] = []
+    for merge in stored_merges(layout):
+        if store.free_bytes(root) >= need:
+            break
+        if merge.absolute() in kept:
+            continue
+        try:
+            with store.artifact_lock(merge, wait=False):
+                size = sum(f.stat().st_size for f in merge.rglob("*") if f.is_file())
+                doomed = merge.with_name(f".{merge.name}{EVICTING_SUFFIX}")
+                merge.rename(doomed)
+                shutil.rmtree(doomed)
+        except ArtifactBusyError:
+            continue
+        removed.append(merge)
+        if log:
+            log(f"removed the merge {merge} ({size / GiB:.1f} GiB, no server reads it) to make room; serving it again "
+                f"merges it again")
+    return removed
 
 
 def merge_adapter(

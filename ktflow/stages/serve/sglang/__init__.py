@@ -16,15 +16,49 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ktflow.errors import InvalidInputError
+from ktflow.errors import InsufficientDiskError, InvalidInputError
 from ktflow.host.hardware import HostInfo
 from ktflow.recipe import Recipe
 from ktflow.stages.serve.backend import Launch, Log, ServeMode
-from ktflow.stages.serve.records import adapter_model_name, base_url
+from ktflow.stages.serve.records import ENDPOINT_FILE, adapter_model_name, base_url, read_endpoint
 from ktflow.stages.serve.sglang.inputs import model_view_plan, sglang_inputs
 from ktflow.stages.serve.sglang.launch import render_sglang_launch
+from ktflow.store import existing_ancestor
 
 __all__ = ["BACKEND", "SglangBackend"]
+
+
+def merges_served(recipe: Recipe) -> set[Path] | None:
+    """The merges the store's recorded servers read (production's, a candidate's, a tuning server's), or None when a
+    record cannot be read (then nothing may be removed)."""
+    root = recipe.store.layout.root
+    served: set[Path] = set()
+    for folder in (root / "serving", root / "eval"):
+        for path in folder.rglob(ENDPOINT_FILE) if folder.is_dir() else ():
+            try:
+                endpoint = read_endpoint(path.parent)
+            except (OSError, ValueError):
+                return None
+            if endpoint is not None and endpoint.merged_dir is not None:
+                served.add(Path(endpoint.merged_dir).absolute())
+    return served
+
+
+def _room_made(recipe: Recipe, merged: Path, short: InsufficientDiskError, log: Log) -> bool:
+    """After the merge's disk check failed: remove the store's oldest merges no server reads until the new one fits,
+    where the shortfall is on their filesystem. True when some were removed."""
+    from ktflow.stages.merge import evict_merges
+
+    store_merges = recipe.store.layout.merged("")
+    short_at = existing_ancestor(Path(short.subject))
+    if not store_merges.is_dir() or short_at.stat().st_dev != store_merges.stat().st_dev:
+        return False
+    served = merges_served(recipe)
+    if served is None:
+        if log:
+            log("the store's merges were kept: a server record in the store could not be read")
+        return False
+    return bool(evict_merges(recipe.store.layout, short.need, keep=served | {merged.absolute()}, log=log))
 
 
 class SglangBackend:
@@ -55,7 +89,12 @@ class SglangBackend:
         model_dir = Path(model_dir).absolute()
         if mode != "merged" or adapter_dir is None:
             return model_dir, _required_weights(kt_weight_dir), adapter_dir, None
-        from ktflow.stages.merge import merge_adapter, merge_target, served_paths  # torch: only where a merge runs
+        from ktflow.stages.merge import (  # torch: only where a merge runs
+            MergeResult,
+            merge_adapter,
+            merge_target,
+            served_paths,
+        )
 
         method = recipe.serving.kt_method
         assert method is not None
@@ -66,8 +105,16 @@ class SglangBackend:
             merged = merge_target(recipe.store.layout, model_dir, adapter_dir, method, t).absolute()
             if log:
                 log(f"merging {adapter_dir} into {model_dir} as {method} (serving.mode merged): {merged}")
-            result = merge_adapter(model_dir, adapter_dir, merged, method=method, threadpool_count=t,
-                                   serve_python=self.python(recipe))
+            def merge() -> MergeResult:
+                return merge_adapter(model_dir, adapter_dir, merged, method=method, threadpool_count=t,
+                                     serve_python=self.python(recipe))
+
+            try:
+                result = merge()
+            except InsufficientDiskError as short:
+                if not _room_made(recipe, merged, short, log):
+                    raise
+                result = merge()  # its preflight checks the disk again
             if log:
                 log(f"merged weights {'found in the store' if result.cached else f'made in {result.seconds:.0f} s'}: "
                     f"{merged}")
