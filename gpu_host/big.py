@@ -111,10 +111,14 @@ class Work:
         self.extra_sets: list[str] = list(args.set or ())
         self.gpus: int = args.gpus
         self.threads: int | None = args.threads
+        # the batch split as the recipe writes it (sft.kt_shape_batches false): the shaper's predicted gain is the
+        # shaped run's tokens/s over this one's
+        self.as_written: bool = bool(getattr(args, "as_written", False))
         self.serve_python = Path(args.serve_python).absolute()
         self.methods: list[str] = args.methods.split(",") if args.methods else list(SERVE_METHODS)
-        # the sft phase's results name and store: "sft" for the recipe as written, else its GPUs and threads
-        suffix = (f"-gpus{args.gpus}" if args.gpus != 1 else "") + (f"-t{args.threads}" if args.threads else "")
+        # the sft phase's results name and store: "sft" for the recipe's run, else its GPUs, threads and batch split
+        suffix = ((f"-gpus{args.gpus}" if args.gpus != 1 else "") + (f"-t{args.threads}" if args.threads else "")
+                  + ("-written" if self.as_written else ""))
         self.sft_name = "sft" + suffix
         self.sft_store = self.root / ("store" + suffix)
         # What the sft, kill and resume phases train: the KT recipe; "hf" rehearses this harness on a CPU box
@@ -131,7 +135,8 @@ class Work:
         sets = [f"source.local_path={self.model}", f"dataset.files=[{self.data}]", f"store.root={store}",
                 f"toolchains.train.python={self.python}", f"toolchains.serve.python={self.python}"]
         run = ([f"sft.gpus={self.gpus}"] if self.gpus != 1 else []) + (
-            [f"sft.kt_config.kt_num_threads={self.threads}"] if self.threads else [])
+            [f"sft.kt_config.kt_num_threads={self.threads}"] if self.threads else []) + (
+            ["sft.kt_shape_batches=false"] if self.as_written else [])
         return sets + (REDUCED_SETS if self.size == "reduced" else []) + run + self.extra_sets
 
     def ktflow(self, *args: str, store: Path | None = None) -> list[str]:
@@ -796,6 +801,8 @@ def main() -> int:
                         help="the recipe of the sft, kill and resume phases (hf: a CPU rehearsal of this harness)")
     parser.add_argument("--gpus", type=int, default=1, help="sft: train on N GPUs (sft.gpus=N, the batch kept)")
     parser.add_argument("--threads", type=int, default=None, help="sft: KT CPU threads (kt_config.kt_num_threads)")
+    parser.add_argument("--as-written", action="store_true",
+                        help="sft: the batch split as the recipe writes it, not the shaper's (its own store)")
     parser.add_argument("--serve-python", default=str(BUILD / "serve" / "bin" / "python"),
                         help="the serving toolchain's python (serve phases)")
     parser.add_argument("--methods", default=None, help=f"serve phases: comma-separated (default {','.join(SERVE_METHODS)})")

@@ -57,7 +57,8 @@ class SliceWork(Work):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(argparse.Namespace(
             size="full", python=args.python, ktflow_python=args.ktflow_python, set=args.set, gpus=args.gpus,
-            threads=args.threads, serve_python=args.serve_python, methods="RAWINT4", trainer="kt"))
+            threads=args.threads, as_written=getattr(args, "as_written", False), serve_python=args.serve_python,
+            methods="RAWINT4", trainer="kt"))
         self.size = "slice"
         self.moe_layers: int = args.moe_layers
         self.root = SLICE / f"moe{args.moe_layers}"
@@ -301,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a further recipe override")
     parser.add_argument("--gpus", type=int, default=1, help="sft: train on N GPUs (sft.gpus=N, the batch kept)")
     parser.add_argument("--threads", type=int, default=None, help="sft: KT CPU threads (kt_config.kt_num_threads)")
+    parser.add_argument("--as-written", action="store_true",
+                        help="sft: the recipe's batch split (1 x 8), not the shaper's, in a store of its own")
     parser.add_argument("--serve-python", default=str(BUILD / "serve" / "bin" / "python"),
                         help="the serving toolchain's python (serve phases)")
     args = parser.parse_args(argv)

@@ -13,7 +13,8 @@
 #                                       what `ktflow serve` prepares, then each method served and load-benchmarked
 #                                       pack-big (build/gpu-host/big/results into $RESULTS_OUT/big-results.tar.gz)
 #                                Kimi-K2.5 at its true geometry, a slice of N MoE layers (gpu_host/kimi_slice.py):
-#                                       slice-fixture-N slice-sft-N (GPUS=N, THREADS=T) slice-whole (the whole model's
+#                                       slice-fixture-N slice-sft-N (GPUS=N, THREADS=T, AS_WRITTEN=1: the recipe's
+#                                       batch split, not the shaper's) slice-whole (the whole model's
 #                                       plan, calibrated from the slice runs) slice-convert-N slice-serve-prep-N
 #                                       slice-serve-N (RAWINT4, concurrency 1 and 8) slice-clean-N (its model removed)
 #                                       pack-slice (build/gpu-host/slice results into $RESULTS_OUT/slice-results.tar.gz)
@@ -331,7 +332,8 @@ for s in "${steps[@]}"; do
     probe) t=$(date +%s); rc=0; "$PY" gpu_host/probe.py ${THREADS:+--threads "$THREADS"} ${PROBE_METHODS:+--methods "$PROBE_METHODS"} --out "$RES" || rc=$?
            stamp probe "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
     slice-fixture-*) kslice fixture "${s#slice-fixture-}" || status=1 ;;
-    slice-sft-*) kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} || status=1 ;;
+    slice-sft-*) kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} ${AS_WRITTEN:+--as-written} \
+                   || status=1 ;;
     slice-whole) kslice whole 6 || status=1 ;;
     slice-convert-*) kslice convert "${s#slice-convert-}" || status=1 ;;
     slice-serve-prep-*) kslice serve-prep "${s#slice-serve-prep-}" || status=1 ;;

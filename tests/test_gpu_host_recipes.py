@@ -148,6 +148,11 @@ def test_big_runs_on_several_gpus_and_thread_counts_are_named_apart_and_keep_the
     one, four = work(), work("--gpus", "4", "--threads", "32")
     assert (one.sft_name, one.sft_store.name) == ("sft", "store")
     assert (four.sft_name, four.sft_store.name) == ("sft-gpus4-t32", "store-gpus4-t32")
+    written = big.Work(argparse.Namespace(size="full", python=sys.executable, ktflow_python=None, set=None,
+                                          trainer="kt", gpus=1, threads=None, serve_python=sys.executable,
+                                          methods=None, as_written=True))
+    assert (written.sft_name, written.sft_store.name) == ("sft-written", "store-written")  # the shaper's check
+    assert load_recipe(big.RECIPES["kt"], written.sets(written.sft_store)).sft.kt_shape_batches is False
     recipe = load_recipe(big.RECIPES["kt"], four.sets(four.sft_store))
     assert recipe.sft.gpus == 4 and recipe.sft.kt_config.kt_num_threads == 32
     split = recipe.sft.gpu_split()
