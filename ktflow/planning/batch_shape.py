@@ -103,15 +103,25 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else str(content or "")
 
 
+def chat_token_ids(messages: list[dict[str, Any]], tokenizer: Any) -> tuple[list[int], bool]:
+    """A record's token ids as training renders it, and whether the model's chat template made them: with its
+    template where it has one that renders, else the turns' text joined (the template's own tokens missing)."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]], True
+        except Exception:  # noqa: BLE001 - a template that cannot render these turns: their text
+            pass
+    text = "\n".join(_text(m.get("content")) for m in messages)
+    return [int(i) for i in tokenizer(text)["input_ids"]], False
+
+
 def _tokens(messages: list[dict[str, Any]], tokenizer: Any) -> int:
     if tokenizer is not None:
         try:
-            if getattr(tokenizer, "chat_template", None):
-                text = tokenizer.apply_chat_template(messages, tokenize=False)
-                return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            text = "\n".join(_text(m.get("content")) for m in messages)
-            return len(tokenizer(text)["input_ids"]) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages)
-        except Exception:  # noqa: BLE001 - a template that cannot render: count the bytes instead
+            ids, templated = chat_token_ids(messages, tokenizer)
+            return len(ids) + (0 if templated else TEMPLATE_TOKENS_PER_MESSAGE * len(messages))
+        except Exception:  # noqa: BLE001 - a tokenizer that fails on the text: count the bytes instead
             pass
     size = sum(len(_text(m.get("content")).encode()) for m in messages)
     return math.ceil(size / BYTES_PER_TOKEN) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages)

@@ -99,7 +99,7 @@ def loss_records(recipe: Recipe, model_dir: Path, count: int) -> list[list[int]]
     """The first ``count`` training records as token ids, with the model's tokenizer and chat template (cut at
     ``sft.cutoff_len``); none where the dataset files or the tokenizer are not here."""
     from ktflow.formats.dataset import record_messages
-    from ktflow.planning.batch_shape import load_tokenizer
+    from ktflow.planning.batch_shape import chat_token_ids, load_tokenizer
 
     if count <= 0 or not all(Path(f).is_file() for f in recipe.dataset.files):
         return []
@@ -113,12 +113,11 @@ def loss_records(recipe: Recipe, model_dir: Path, count: int) -> list[list[int]]
         return []
     for messages in conversations:
         try:
-            encoded = tokenizer.apply_chat_template(messages, tokenize=True)
-        except Exception:  # noqa: BLE001 - no chat template: the turns' text joined
-            encoded = tokenizer("\n".join(str(m.get("content", "")) for m in messages))["input_ids"]
-        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)[: recipe.sft.cutoff_len]
+            ids = chat_token_ids(messages, tokenizer)[0][: recipe.sft.cutoff_len]
+        except Exception:  # noqa: BLE001 - a tokenizer that fails on this record: scored without it
+            continue
         if len(ids) > 1:
-            records.append([int(i) for i in ids])
+            records.append(ids)
         if len(records) >= count:
             break
     return records
