@@ -801,7 +801,9 @@ def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
                 doomed = merge.with_name(f".{merge.name}{EVICTING_SUFFIX}")
                 merge.rename(doomed)
                 shutil.rmtree(doomed)
-        except ArtifactBusyError:
+        except ArtifactBusyError:  # being written or removed by another process
+            continue
+        except OSError:  # a store it cannot change (read-only, permissions): what is left is cleared next time
             continue
         removed.append(merge)
         if log:
