@@ -332,14 +332,14 @@ for s in "${steps[@]}"; do
     probe) t=$(date +%s); rc=0; "$PY" gpu_host/probe.py ${THREADS:+--threads "$THREADS"} ${PROBE_METHODS:+--methods "$PROBE_METHODS"} --out "$RES" || rc=$?
            stamp probe "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
     slice-fixture-*) kslice fixture "${s#slice-fixture-}" || status=1 ;;
-    slice-sft-*) kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} ${AS_WRITTEN:+--as-written} \
-                   || status=1 ;;
+    slice-sft-*) written=(); [ "${AS_WRITTEN:-0}" = 1 ] && written=(--as-written)
+                 kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} "${written[@]}" || status=1 ;;
     slice-whole) kslice whole 6 || status=1 ;;
     slice-convert-*) kslice convert "${s#slice-convert-}" || status=1 ;;
     slice-serve-prep-*) kslice serve-prep "${s#slice-serve-prep-}" || status=1 ;;
     slice-serve-*) serve_env; kslice serve "${s#slice-serve-}" --serve-python "$SERVE_PY" || status=1 ;;
     slice-clean-*) kslice clean "${s#slice-clean-}" ;;
-    pack-slice) tar czf "${RESULTS_OUT:-$RES}/slice-results.tar.gz" -C "$B/slice" --exclude='*/model' --exclude=store \
+    pack-slice) tar czf "${RESULTS_OUT:-$RES}/slice-results.tar.gz" -C "$B/slice" --exclude='*/model' --exclude='store*' \
                   --exclude='*/converted' --exclude=data/chat.jsonl . && ls -la "${RESULTS_OUT:-$RES}/slice-results.tar.gz" ;;
     merged-fixture) merged fixture ${MOE_LAYERS:+--moe-layers "$MOE_LAYERS"} || status=1 ;;
     merged-adapter) merged adapter ${RANDOM_ADAPTER:+--random} || status=1 ;;

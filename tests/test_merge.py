@@ -561,7 +561,18 @@ def test_room_for_a_merge_never_removes_a_merge_being_written_or_kept_and_clears
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     assert removed == [] and not crashed.exists()  # the crashed removal's leftover is cleared first
     assert [p.name for p in merge_stage.stored_merges(layout)] == ["a", "b"]  # "a" locked, "b" kept
     with artifact_lock(layout.merged("a")):
         pass
+
+
+def test_room_for_a_merge_removes_nothing_when_every_removable_merge_would_not_make_enough(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = _published_merges(tmp_path, {"a": 1000, "b": 1000, "c": 1000})
+    _disk_of(layout, 3200, monkeypatch)  # 200 free; "a" and "b" could go: 2,200 free, 2,500 needed
+    said: list[str] = []
+    assert merge_stage.evict_merges(layout, 2500, keep=[layout.merged("c")], log=said.append) == []
+    assert [p.name for p in merge_stage.stored_merges(layout)] == ["a", "b", "c"]
+    assert len(said) == 1 and said[0].startswith("kept the store's 2 merge(s) no server reads")

@@ -253,7 +253,8 @@ def test_a_merge_that_does_not_fit_removes_the_oldest_merge_no_server_reads(worl
         version = register_adapter(world.recipe, adapter_dir=adapter, sft_adapter_dir=_sft_run(tmp_path / "sft", "r3"),
                                    base_dir=world.model)
         world.adapters[version.version] = adapter.absolute()
-    os.utime(world.merge_of(1) / "manifest.json", (1, 1))  # v1's merge is the oldest
+    os.utime(world.merge_of(2) / "manifest.json", (1, 1))  # production's merge is the oldest: it must be skipped
+    os.utime(world.merge_of(1) / "manifest.json", (2, 2))
     one = sum(f.stat().st_size for f in world.merge_of(2).rglob("*") if f.is_file())
     real_free_bytes = ktflow.store.free_bytes
 

@@ -770,15 +770,20 @@ def stored_merges(layout: StoreLayout) -> list[Path]:
     return sorted(found, key=lambda path: (path / store.MANIFEST_NAME).stat().st_mtime)
 
 
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
                  log: Callable[[str], None] | None = None) -> list[Path]:
     """Remove a store's merges, oldest first, until ``need`` bytes are free on their filesystem.
 
     A merge is as large as its model (~595 GB for Kimi-K2.5), so a store keeps every merge while the disk allows and
     gives up the oldest when a new one does not fit; serving one again merges it again. Never removed: a merge in
-    ``keep`` (what a running server reads, the merge about to be made) or one another process holds the lock of.
-    Each is renamed out of the way before it is deleted, so a crash leaves no half of a merge where the serve stage
-    would look (a leftover is deleted by the next call).
+    ``keep`` (what a running server reads, the merge about to be made) or one another process holds the lock of;
+    and none at all when removing every other one would still leave less than ``need`` free. Each is renamed out of
+    the way before it is deleted, so a crash leaves no half of a merge where the serve stage would look (a leftover
+    is deleted by the next call).
 
     Returns:
         The merges removed (their former paths); empty when none could go.
@@ -788,23 +793,28 @@ def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
         return []
     for leftover in root.glob(f".*{EVICTING_SUFFIX}"):
         shutil.rmtree(leftover, ignore_errors=True)
-    kept = {Path(path).absolute() for path in keep}
+    kept = {Path(path).resolve() for path in keep}
+    candidates = [(merge, _tree_bytes(merge)) for merge in stored_merges(layout) if merge.resolve() not in kept]
+    free = store.free_bytes(root)
+    if free + sum(size for _, size in candidates) < need:
+        if log and candidates:
+            log(f"kept the store's {len(candidates)} merge(s) no server reads: removing them all would leave "
+                f"{(free + sum(size for _, size in candidates)) / GiB:.1f} GiB free, and {need / GiB:.1f} GiB is "
+                f"needed")
+        return []
     removed: list[Path] = []
-    for merge in stored_merges(layout):
+    for merge, size in candidates:
         if store.free_bytes(root) >= need:
             break
-        if merge.absolute() in kept:
-            continue
+        doomed = merge.with_name(f".{merge.name}{EVICTING_SUFFIX}")
         try:
             with store.artifact_lock(merge, wait=False):
-                size = sum(f.stat().st_size for f in merge.rglob("*") if f.is_file())
-                doomed = merge.with_name(f".{merge.name}{EVICTING_SUFFIX}")
                 merge.rename(doomed)
-                shutil.rmtree(doomed)
         except ArtifactBusyError:  # being written or removed by another process
             continue
-        except OSError:  # a store it cannot change (read-only, permissions): what is left is cleared next time
+        except OSError:  # a store it cannot change (read-only, permissions)
             continue
+        shutil.rmtree(doomed, ignore_errors=True)  # what a failure leaves is cleared by the next call
         removed.append(merge)
         if log:
             log(f"removed the merge {merge} ({size / GiB:.1f} GiB, no server reads it) to make room; serving it again "

@@ -23,7 +23,6 @@ from ktflow.stages.serve.backend import Launch, Log, ServeMode
 from ktflow.stages.serve.records import ENDPOINT_FILE, adapter_model_name, base_url, read_endpoint
 from ktflow.stages.serve.sglang.inputs import model_view_plan, sglang_inputs
 from ktflow.stages.serve.sglang.launch import render_sglang_launch
-from ktflow.store import existing_ancestor
 
 __all__ = ["BACKEND", "SglangBackend"]
 
@@ -40,25 +39,29 @@ def merges_served(recipe: Recipe) -> set[Path] | None:
             except (OSError, ValueError):
                 return None
             if endpoint is not None and endpoint.merged_dir is not None:
-                served.add(Path(endpoint.merged_dir).absolute())
+                served.add(Path(endpoint.merged_dir).resolve())
     return served
 
 
 def _room_made(recipe: Recipe, merged: Path, short: InsufficientDiskError, log: Log) -> bool:
-    """After the merge's disk check failed: remove the store's oldest merges no server reads until the new one fits,
-    where the shortfall is on their filesystem. True when some were removed."""
+    """After the merge's own disk check failed: remove the store's oldest merges no server reads until the new one
+    fits. True when some were removed; False (the disk error stands) when the shortfall is not the merge's own, or
+    nothing could go."""
     from ktflow.stages.merge import evict_merges
 
-    store_merges = recipe.store.layout.merged("")
-    short_at = existing_ancestor(Path(short.subject))
-    if not store_merges.is_dir() or short_at.stat().st_dev != store_merges.stat().st_dev:
+    if Path(short.subject).resolve() != merged.resolve():  # another filesystem's need (a scratch folder)
         return False
     served = merges_served(recipe)
     if served is None:
         if log:
             log("the store's merges were kept: a server record in the store could not be read")
         return False
-    return bool(evict_merges(recipe.store.layout, short.need, keep=served | {merged.absolute()}, log=log))
+    try:
+        return bool(evict_merges(recipe.store.layout, short.need, keep=served | {merged.resolve()}, log=log))
+    except Exception as exc:  # noqa: BLE001 - making room is a courtesy: the disk error says what is needed
+        if log:
+            log(f"the store's merges were kept: {type(exc).__name__}: {exc}")
+        return False
 
 
 class SglangBackend:
