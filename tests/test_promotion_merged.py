@@ -5,8 +5,8 @@ tests/test_serve_sglang.py runs it.
 A promoted version serves its merge (made by the merge stage, kept in the store, no LoRA flags); a candidate is
 judged beside production through KT's LoRA path (no merge made for it), and one its gate rejects leaves
 production's process and merge as they were; a rollback serves the previous version's merge from the store, or
-rebuilds it when it was removed, and says which; a merge the disk has no room for removes the oldest merge no
-server reads.
+rebuilds it when it was removed, and says which; a merge the disk has no room for removes the least recently
+served merge no server reads.
 
 The tests share one store and one production endpoint (the servers are the slow part); each first brings
 production to the state it starts from through the same idempotent promotion, so any one of them runs alone."""
@@ -240,10 +240,11 @@ def test_a_promotion_serves_the_new_merge_and_a_rollback_the_previous_one_kept_o
     assert [m.to_version for m in registry_of(world.recipe).production().history][-5:] == [1, 2, 1, 2, 1]
 
 
-def test_a_merge_that_does_not_fit_removes_the_oldest_merge_no_server_reads(world: World, tmp_path: Path,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """With room on the disk for two merges, promoting a third version removes the oldest merge no server reads
-    (never production's), says so, and serves the new merge; a rollback then finds production's former merge kept."""
+def test_a_merge_that_does_not_fit_removes_the_least_recently_served_merge_no_server_reads(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room on the disk for two merges, promoting a third version removes the least recently served merge no
+    server reads (never production's), says so, and serves the new merge; a rollback then finds production's former
+    merge kept, and serving it marks it the most recently served."""
     import ktflow.store
 
     world.promote(1)
@@ -253,7 +254,7 @@ def test_a_merge_that_does_not_fit_removes_the_oldest_merge_no_server_reads(worl
         version = register_adapter(world.recipe, adapter_dir=adapter, sft_adapter_dir=_sft_run(tmp_path / "sft", "r3"),
                                    base_dir=world.model)
         world.adapters[version.version] = adapter.absolute()
-    os.utime(world.merge_of(2) / "manifest.json", (1, 1))  # production's merge is the oldest: it must be skipped
+    os.utime(world.merge_of(2) / "manifest.json", (1, 1))  # production's merge served longest ago: still skipped
     os.utime(world.merge_of(1) / "manifest.json", (2, 2))
     one = sum(f.stat().st_size for f in world.merge_of(2).rglob("*") if f.is_file())
     real_free_bytes = ktflow.store.free_bytes
@@ -279,3 +280,4 @@ def test_a_merge_that_does_not_fit_removes_the_oldest_merge_no_server_reads(worl
     assert back.moved and (back.version, back.replaced) == (2, 3)
     _assert_serves_merged(world, 2)
     assert f"merged weights found in the store: {world.merge_of(2)}" in world.said(since)
+    assert (world.merge_of(2) / "manifest.json").stat().st_mtime > 2  # served again: the last the store gives up

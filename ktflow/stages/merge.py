@@ -27,6 +27,7 @@ layers) and redoes the partial one; the index, config and manifest come last.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -760,8 +761,17 @@ def merged_dir_name(base_digest: str, adapter_digest: str, method: str, threadpo
 EVICTING_SUFFIX = ".evicting"  # a merge being removed: renamed first, so no reader ever finds half of one
 
 
+def mark_merge_served(merged: Path) -> None:
+    """Record that ``merged`` is served now (its manifest's time), so the store gives it up last
+    (:func:`evict_merges` removes the least recently served first)."""
+    try:
+        os.utime(Path(merged) / store.MANIFEST_NAME)
+    except OSError:  # a read-only store: it is only an order
+        pass
+
+
 def stored_merges(layout: StoreLayout) -> list[Path]:
-    """The merges published in a store, oldest first (by when each was published)."""
+    """The merges published in a store, least recently served (or published) first."""
     root = layout.merged("")
     if not root.is_dir():
         return []
@@ -776,14 +786,14 @@ def _tree_bytes(path: Path) -> int:
 
 def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
                  log: Callable[[str], None] | None = None) -> list[Path]:
-    """Remove a store's merges, oldest first, until ``need`` bytes are free on their filesystem.
+    """Remove a store's merges, least recently served first, until ``need`` bytes are free on their filesystem.
 
     A merge is as large as its model (~595 GB for Kimi-K2.5), so a store keeps every merge while the disk allows and
-    gives up the oldest when a new one does not fit; serving one again merges it again. Never removed: a merge in
-    ``keep`` (what a running server reads, the merge about to be made) or one another process holds the lock of;
-    and none at all when removing every other one would still leave less than ``need`` free. Each is renamed out of
-    the way before it is deleted, so a crash leaves no half of a merge where the serve stage would look (a leftover
-    is deleted by the next call).
+    gives up the least recently served when a new one does not fit; serving one again merges it again. Never
+    removed: a merge in ``keep`` (what a running server reads, the merge about to be made) or one another process
+    holds the lock of; and none at all when removing every other one would still leave less than ``need`` free.
+    Each is renamed out of the way before it is deleted, so a crash leaves no half of a merge where the serve stage
+    would look (a leftover is deleted by the next call).
 
     Returns:
         The merges removed (their former paths); empty when none could go.

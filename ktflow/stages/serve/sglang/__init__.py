@@ -44,9 +44,9 @@ def merges_served(recipe: Recipe) -> set[Path] | None:
 
 
 def _room_made(recipe: Recipe, merged: Path, short: InsufficientDiskError, log: Log) -> bool:
-    """After the merge's own disk check failed: remove the store's oldest merges no server reads until the new one
-    fits. True when some were removed; False (the disk error stands) when the shortfall is not the merge's own, or
-    nothing could go."""
+    """After the merge's own disk check failed: remove the store's least recently served merges no server reads until
+    the new one fits. True when some were removed; False (the disk error stands) when the shortfall is not the
+    merge's own, or nothing could go."""
     from ktflow.stages.merge import evict_merges
 
     if Path(short.subject).resolve() != merged.resolve():  # another filesystem's need (a scratch folder)
@@ -94,6 +94,7 @@ class SglangBackend:
             return model_dir, _required_weights(kt_weight_dir), adapter_dir, None
         from ktflow.stages.merge import (  # torch: only where a merge runs
             MergeResult,
+            mark_merge_served,
             merge_adapter,
             merge_target,
             served_paths,
@@ -118,6 +119,7 @@ class SglangBackend:
                 if not _room_made(recipe, merged, short, log):
                     raise
                 result = merge()  # its preflight checks the disk again
+            mark_merge_served(merged)
             if log:
                 log(f"merged weights {'found in the store' if result.cached else f'made in {result.seconds:.0f} s'}: "
                     f"{merged}")
