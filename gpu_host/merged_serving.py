@@ -154,10 +154,6 @@ def choose_depth(free_gb: float) -> int | None:
 # --------------------------------------------------------------------------- disk
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) if path.exists() else 0
-
-
 def make_room(work: MergedWork, need_bytes: int, keep: set[Path]) -> dict[str, Any]:
     """Free ``need_bytes`` (plus the margin) by removing, in this order, the model views of other endpoints and
     the store's other merges (both remade on demand); never the base, the adapter or anything in ``keep``."""
@@ -299,7 +295,7 @@ def timed_merge(work: MergedWork, method: str, sets: list[str] | None = None, li
     outside (wall, peak RSS), after making room for it; a merge already there is reused."""
     from ktflow.planning.merge_cost import merge_estimate
     from ktflow.planning.sizing import model_size
-    from ktflow.store import read_manifest
+    from ktflow.store import read_manifest, tree_bytes
 
     out = merge_dir(work, method, sets)
     t = next((int(s.split("=", 1)[1]) for s in sets or [] if s.startswith("serving.kt_threadpool_count=")), 1)
@@ -321,7 +317,7 @@ def timed_merge(work: MergedWork, method: str, sets: list[str] | None = None, li
         argv += ["--workers", str(os.cpu_count() or 1)]
     ran = run_watched(argv, env=work.env(), log=work.results / f"merge-{method}.log", limit_s=limit_s)
     doc["made"] = {k: ran[k] for k in ("rc", "outcome", "wall_s", "peak_host_rss_gib", "error_line")}
-    doc["bytes_on_disk"] = _tree_bytes(out)
+    doc["bytes_on_disk"] = tree_bytes(out)
     doc["free_disk_gb_after"] = free_disk_gb(work.root)
     if ran["rc"] != 0:
         doc["made"]["log_tail"] = ran["log_tail"]

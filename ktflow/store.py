@@ -303,6 +303,12 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files below ``path`` (links not followed); 0 where it does not exist."""
+    path = Path(path)
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) if path.exists() else 0
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes (for this user) on the filesystem that holds, or would hold, ``path``."""
     return shutil.disk_usage(existing_ancestor(path)).free

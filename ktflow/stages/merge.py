@@ -780,10 +780,6 @@ def stored_merges(layout: StoreLayout) -> list[Path]:
     return sorted(found, key=lambda path: (path / store.MANIFEST_NAME).stat().st_mtime)
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
                  log: Callable[[str], None] | None = None) -> list[Path]:
     """Remove a store's merges, least recently served first, until ``need`` bytes are free on their filesystem.
@@ -804,13 +800,12 @@ def evict_merges(layout: StoreLayout, need: int, *, keep: Iterable[Path],
     for leftover in root.glob(f".*{EVICTING_SUFFIX}"):
         shutil.rmtree(leftover, ignore_errors=True)
     kept = {Path(path).resolve() for path in keep}
-    candidates = [(merge, _tree_bytes(merge)) for merge in stored_merges(layout) if merge.resolve() not in kept]
-    free = store.free_bytes(root)
-    if free + sum(size for _, size in candidates) < need:
+    candidates = [(merge, store.tree_bytes(merge)) for merge in stored_merges(layout) if merge.resolve() not in kept]
+    reachable = store.free_bytes(root) + sum(size for _, size in candidates)
+    if reachable < need:
         if log and candidates:
             log(f"kept the store's {len(candidates)} merge(s) no server reads: removing them all would leave "
-                f"{(free + sum(size for _, size in candidates)) / GiB:.1f} GiB free, and {need / GiB:.1f} GiB is "
-                f"needed")
+                f"{reachable / GiB:.1f} GiB free, and {need / GiB:.1f} GiB is needed")
         return []
     removed: list[Path] = []
     for merge, size in candidates:
