@@ -81,6 +81,24 @@ def host_point(folder: Path) -> dict:
             "cpu_factor": factor, "reference_estimate": ratio / factor}
 
 
+def reference_of(points: list[dict]) -> float:
+    """The reference the hosts estimate together: the mean of theirs."""
+    return statistics.fmean(p["reference_estimate"] for p in points)
+
+
+def out_of_sample(points: list[dict]) -> list[dict]:
+    """Each host's step predicted with the reference the *other* hosts estimate, against what it measured."""
+    checks = []
+    for p in points:
+        reference = reference_of([q for q in points if q is not p])
+        scaled = p["gpu_s"] + p["cpu_s"] * p["probe_ratio"] / reference
+        checks.append({"host": p["host"], "reference_from_others": reference, "predicted_as_fitted_s": p["predicted_step_s"],
+                       "predicted_with_probe_s": scaled, "measured_s": p["measured_step_s"],
+                       "error_as_fitted": p["predicted_step_s"] / p["measured_step_s"] - 1,
+                       "error_with_probe": scaled / p["measured_step_s"] - 1})
+    return checks
+
+
 def main() -> int:
     points = [host_point(folder) for folder in sorted(p for p in DATA.iterdir() if (p / "sft.json").is_file())]
     if len(points) < 2:
@@ -90,21 +108,13 @@ def main() -> int:
     for p in points:
         print(f"{p['host']:<18} {p['threads']:>7} {p['probe_ratio']:>11.3f} {p['predicted_step_s']:>8.2f}s "
               f"{p['measured_step_s']:>7.2f}s {p['cpu_factor']:>10.3f} {p['reference_estimate']:>9.3f}")
-    checks = []
-    for p in points:
-        others = [q["reference_estimate"] for q in points if q is not p]
-        reference = statistics.fmean(others)
-        scaled = p["gpu_s"] + p["cpu_s"] * p["probe_ratio"] / reference
-        checks.append({"host": p["host"], "reference_from_others": reference, "predicted_as_fitted_s": p["predicted_step_s"],
-                       "predicted_with_probe_s": scaled, "measured_s": p["measured_step_s"],
-                       "error_as_fitted": p["predicted_step_s"] / p["measured_step_s"] - 1,
-                       "error_with_probe": scaled / p["measured_step_s"] - 1})
+    checks = out_of_sample(points)
     print("\nout of sample (each host with the reference estimated from the others):")
     for c in checks:
         print(f"  {c['host']:<18} reference {c['reference_from_others']:.3f}: predicted {c['predicted_with_probe_s']:.2f} s "
               f"({c['error_with_probe']:+.1%}) against {c['measured_s']:.2f} s measured; as fitted "
               f"{c['predicted_as_fitted_s']:.2f} s ({c['error_as_fitted']:+.1%})")
-    reference = statistics.fmean(p["reference_estimate"] for p in points)
+    reference = reference_of(points)
     method = points[0]["method"]
     print(f"\nkt_probe_reference[{method!r}] = {reference:.3f} (mean of {len(points)} hosts)")
     out = DATA / "reference.json"

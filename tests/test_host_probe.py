@@ -223,10 +223,15 @@ def test_the_shipped_reference_is_the_estimate_of_the_probed_hosts_and_checks_on
     assert len(points) >= 2
     for kept, now in zip(document["hosts"], points):
         assert now["reference_estimate"] == pytest.approx(kept["reference_estimate"], rel=1e-6)
-    reference = sum(p["reference_estimate"] for p in points) / len(points)
+    reference = script.reference_of(points)
+    assert reference == pytest.approx(sum(p["reference_estimate"] for p in points) / len(points))
     assert document["reference"] == pytest.approx(reference, abs=1e-3)
     assert COSTS.kt_probe_reference[document["method"]] == pytest.approx(reference, abs=1e-3)
-    for point in points:  # each host with the others' estimate, recomputed
+    checks = script.out_of_sample(points)  # each host with the others' estimate, recomputed
+    assert [c["host"] for c in checks] == [p["host"] for p in points]
+    for check, point in zip(checks, points):
         others = [p["reference_estimate"] for p in points if p is not point]
-        scaled = point["gpu_s"] + point["cpu_s"] * point["probe_ratio"] / (sum(others) / len(others))
-        assert abs(scaled / point["measured_step_s"] - 1) < 0.10
+        assert check["predicted_with_probe_s"] == pytest.approx(
+            point["gpu_s"] + point["cpu_s"] * point["probe_ratio"] / (sum(others) / len(others)))
+        assert check["predicted_with_probe_s"] != pytest.approx(point["predicted_step_s"])  # the probe changed it
+        assert abs(check["error_with_probe"]) < 0.10
