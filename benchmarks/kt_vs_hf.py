@@ -60,7 +60,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -491,9 +491,11 @@ def phase_run(work: Work, leg: str) -> None:
     print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('losses', 'command')})}", flush=True)
 
 
-def _trainer_log_under(store: Path) -> Path | None:
-    """``ktflow sft`` names its run directory (a content key) itself: the newest one's log."""
-    runs = sorted(store.glob("runs/*/output"), key=lambda p: p.stat().st_mtime)
+def _trainer_log_under(store: Path, earlier: Collection[Path] = ()) -> Path | None:
+    """``ktflow sft`` names its run directory (a content key) itself: the newest one's log, leaving out the run
+    directories in ``earlier`` (those the store held before this leg: a store that several models train into holds
+    their finished logs, and until this leg's trainer writes its own the newest would be one of theirs)."""
+    runs = sorted((p for p in store.glob("runs/*/output") if p.parent not in earlier), key=lambda p: p.stat().st_mtime)
     return runs[-1] / "trainer_log.jsonl" if runs else None
 
 

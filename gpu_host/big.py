@@ -58,7 +58,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -395,9 +395,10 @@ def _step_figures(result: dict[str, Any], save_steps: int) -> dict[str, Any]:
             "tokens_per_s_no_save": round(statistics.median(plain_tokens), 1) if plain_tokens else None}
 
 
-def _collect_run(store: Path, into: Path) -> None:
-    """The run's logs and manifests into results; then its checkpoints go (GBs each; the adapter stays)."""
-    runs = [p for p in store.glob("runs/*") if p.is_dir() and not p.name.endswith(".lock")]
+def _collect_run(store: Path, into: Path, earlier: Collection[Path] = ()) -> None:
+    """The run's logs and manifests into results (the newest run not in ``earlier``); then its checkpoints go (GBs
+    each; the adapter stays)."""
+    runs = [p for p in store.glob("runs/*") if p.is_dir() and not p.name.endswith(".lock") and p not in earlier]
     if not runs:
         return
     run = max(runs, key=lambda p: p.stat().st_mtime)
@@ -415,12 +416,15 @@ def _collect_run(store: Path, into: Path) -> None:
 def measured_sft(work: Work, name: str, store: Path, *, resumed: bool = False) -> dict[str, Any]:
     """``ktflow sft`` of the KT recipe in ``store``, measured (kt_vs_hf.measure), within the phase limit."""
     argv = work.ktflow("sft", str(work.recipe), store=store)
+    # The slice trains every depth into one store: this run is the one the store did not hold before (a resumed run
+    # goes on in its own directory, so it keeps it).
+    earlier = frozenset() if resumed else frozenset(store.glob("runs/*"))
     with deadline(PHASE_LIMIT_S) as timer:
         try:
             # A resumed run logs only the steps after its checkpoint: its first one holds the load.
             result = measure(argv, env=work.env(), log=work.results / f"{name}.log", warmup=0 if resumed else 1,
-                             trainer_log=lambda: _trainer_log_under(store), child_marker="llamafactory-cli",
-                             skip_existing=resumed)
+                             trainer_log=lambda: _trainer_log_under(store, earlier),
+                             child_marker="llamafactory-cli", skip_existing=resumed)
             result["outcome"] = "trained"
         except SystemExit as exc:
             result = {"outcome": "failed", "error": str(exc)[-4000:], "command": argv}
@@ -430,7 +434,7 @@ def measured_sft(work: Work, name: str, store: Path, *, resumed: bool = False) -
         result.update(_step_figures(result, work.save_steps(store)))
     adapter = work.published(store)
     result["adapter"] = adapter_facts(adapter) if adapter else {"present": False}
-    _collect_run(store, work.results / f"run-{name}")
+    _collect_run(store, work.results / f"run-{name}", earlier)
     result["free_disk_gb_after"] = free_disk_gb(work.root)
     return result
 

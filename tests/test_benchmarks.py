@@ -77,3 +77,34 @@ def test_harness_measures_plain_llamafactory_and_ktflow_sft_on_the_same_recipe(t
     assert hf["command"][-1].endswith("train.yaml")  # the rendered plan, run by hand
     trained = yaml.safe_load(Path(hf["command"][-1]).read_text())
     assert (trained["lora_rank"], trained["lora_target"]) == (8, "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj")
+
+
+def test_a_leg_follows_its_own_trainer_log_in_a_store_another_run_trained_into(tmp_path: Path) -> None:
+    """A store several models train into (the Kimi-K2.5 slice's depths) holds their finished trainer logs; until this
+    leg's trainer writes its own, the newest log is another run's. The leg is measured from its own run's lines."""
+    from kt_vs_hf import _trainer_log_under, measure
+
+    store = tmp_path / "store"
+    finished = store / "runs" / "depth-6" / "output" / "trainer_log.jsonl"
+    finished.parent.mkdir(parents=True)
+    finished.write_text("".join(json.dumps({"current_steps": s, "loss": 13.0, "total_tokens": 100 * s}) + "\n"
+                                for s in range(1, 6)))
+    earlier = frozenset(store.glob("runs/*"))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        "import json, pathlib, sys, time\n"
+        "log = pathlib.Path(sys.argv[1]) / 'runs' / 'depth-12' / 'output' / 'trainer_log.jsonl'\n"
+        "time.sleep(0.6)\n"
+        "log.parent.mkdir(parents=True)\n"
+        "for step in range(1, 5):\n"
+        "    with open(log, 'a') as fh:\n"
+        "        fh.write(json.dumps({'current_steps': step, 'loss': 12.0 - step, 'total_tokens': 50 * step}) + '\\n')\n"
+        "    time.sleep(0.4)\n")
+    result = measure([sys.executable, str(trainer), str(store)], env={}, log=tmp_path / "leg.log", warmup=1,
+                     trainer_log=lambda: _trainer_log_under(store, earlier))
+
+    assert result["steps_logged"] == [1, 2, 3, 4]
+    assert result["losses"] == [11.0, 10.0, 9.0, 8.0]
+    assert result["first_step_logged_s"] >= 0.5  # the trainer's first line, not the finished run's
+    assert 0.3 <= result["steady_step_s"] <= 1.0
+    assert _trainer_log_under(store) == finished.parent.parent.parent / "depth-12" / "output" / "trainer_log.jsonl"
