@@ -40,9 +40,10 @@ _THREADS = re.compile(r"KT step [\d.]+ s \((\d+) threads")
 _SCALED = re.compile(r"KT's CPU passes x([\d.]+)")  # a plan the probe already scaled (a reference was shipped)
 
 
-def host_point(folder: Path) -> dict:
-    """One host's probe, prediction and measured step, the prediction split into its CPU and GPU parts."""
-    sft_doc = json.loads((folder / "sft.json").read_text())
+def host_point(folder: Path, run: str = "sft.json") -> dict:
+    """One host's probe, prediction and measured step (``folder/run``), the prediction split into its CPU and GPU
+    parts."""
+    sft_doc = json.loads((folder / run).read_text())
     predicted = sft_doc["predicted"]
     basis = predicted["time_basis"]
     probe = _PROBE.search(basis)
@@ -68,12 +69,13 @@ def host_point(folder: Path) -> dict:
     scaled = _SCALED.search(basis)
     planned = estimate.gpu_s + cpu * (float(scaled.group(1)) if scaled else 1.0)  # what the run's plan said
     if abs(planned / predicted["step_s"] - 1) > 5e-3:
-        raise SystemExit(f"{folder}: the time model now predicts {planned:.3f} s, the run's plan said "
+        raise SystemExit(f"{folder / run}: the time model now predicts {planned:.3f} s, the run's plan said "
                          f"{predicted['step_s']:.3f} s: the constants changed since; refit from runs planned with them")
     measured = sft_doc["steady_step_s"]
     factor = (measured - estimate.gpu_s) / cpu
     ratio = (forward_ms + backward_ms) / model_ms
-    return {"host": folder.name, "machine": (folder / "machine.txt").read_text().splitlines()[0],
+    machine = next(m for m in (folder / "machine.txt", folder.parent / "machine.txt") if m.is_file())
+    return {"host": folder.name, "run": run, "machine": machine.read_text().splitlines()[0],
             "method": kt_sft_method(sft), "threads": threads, "tokens_per_micro_batch": tokens,
             "probe_ms": forward_ms + backward_ms, "probe_model_ms": model_ms, "probe_ratio": ratio,
             "predicted_step_s": estimate.step_s, "cpu_s": cpu, "gpu_s": estimate.gpu_s,
@@ -99,6 +101,41 @@ def out_of_sample(points: list[dict]) -> list[dict]:
     return checks
 
 
+# Runs planned with the shipped reference and not used to estimate it: (name, folder, run file). Two machines of the
+# kinds above (a second H200 + 16-core machine; the 64-core host again, at 6 MoE layers) and, on the 64-core host,
+# the same batch of 8 as the recipe writes it (1 x 8) beside the shaper's split (8 x 1): the shaper's gain.
+CHECKS: list[tuple[str, Path, str]] = [
+    ("h200-16-cores-b, 1 MoE layer, 8 x 1", DATA / "checks" / "h200-16-cores-b", "sft.json"),
+    ("h200x4-64-cores, 6 MoE layers, 8 x 1", REPO / "benchmarks/data/kimi-slice/h200x4-64-cores/moe6", "sft.json"),
+    ("h200x4-64-cores, 6 MoE layers, 1 x 8", REPO / "benchmarks/data/kimi-slice/h200x4-64-cores/moe6",
+     "sft-written.json"),
+]
+# The shaper's gain: (the split it chose, the batch as written) on one machine, by CHECKS name.
+GAIN_PAIRS: list[tuple[str, str]] = [("h200x4-64-cores, 6 MoE layers, 8 x 1", "h200x4-64-cores, 6 MoE layers, 1 x 8")]
+
+
+def checked(reference: float) -> tuple[list[dict], list[dict]]:
+    """CHECKS predicted with ``reference`` (each with its own probe) and without the probe, against what they measured;
+    and each GAIN_PAIRS pair's gain (the as-written step over the shaped one), predicted under the shaped run's probe
+    and measured."""
+    rows = {}
+    for name, folder, run in CHECKS:
+        p = host_point(folder, run)
+        with_probe = p["gpu_s"] + p["cpu_s"] * p["probe_ratio"] / reference
+        rows[name] = {"check": name, **p, "predicted_with_probe_s": with_probe,
+                      "error_with_probe": with_probe / p["measured_step_s"] - 1,
+                      "error_without_probe": p["predicted_step_s"] / p["measured_step_s"] - 1}
+    gains = []
+    for shaped_name, written_name in GAIN_PAIRS:
+        shaped, written = rows[shaped_name], rows[written_name]
+        scale = shaped["probe_ratio"] / reference
+        predicted = (written["gpu_s"] + written["cpu_s"] * scale) / (shaped["gpu_s"] + shaped["cpu_s"] * scale)
+        measured = written["measured_step_s"] / shaped["measured_step_s"]
+        gains.append({"shaped": shaped_name, "as_written": written_name, "predicted_gain": predicted,
+                      "measured_gain": measured, "error": predicted / measured - 1})
+    return list(rows.values()), gains
+
+
 def main() -> int:
     points = [host_point(folder) for folder in sorted(p for p in DATA.iterdir() if (p / "sft.json").is_file())]
     if len(points) < 2:
@@ -117,9 +154,19 @@ def main() -> int:
     reference = reference_of(points)
     method = points[0]["method"]
     print(f"\nkt_probe_reference[{method!r}] = {reference:.3f} (mean of {len(points)} hosts)")
+    shipped = COSTS.kt_probe_reference.get(method, reference)
+    runs, gains = checked(shipped)
+    print(f"\nruns not used to estimate it, planned with the shipped reference {shipped:.3f}:")
+    for r in runs:
+        print(f"  {r['check']:<40} probe/model {r['probe_ratio']:.3f}: predicted {r['predicted_with_probe_s']:6.2f} s "
+              f"({r['error_with_probe']:+.1%}), without the probe {r['predicted_step_s']:6.2f} s "
+              f"({r['error_without_probe']:+.1%}), measured {r['measured_step_s']:.2f} s")
+    for g in gains:
+        print(f"  the shaper's gain ({g['as_written']} over 8 x 1): predicted {g['predicted_gain']:.2f}x, measured "
+              f"{g['measured_gain']:.2f}x ({g['error']:+.1%})")
     out = DATA / "reference.json"
     out.write_text(json.dumps({"method": method, "reference": round(reference, 3), "hosts": points,
-                               "out_of_sample": checks}, indent=1) + "\n")
+                               "out_of_sample": checks, "checks": runs, "shaper_gain": gains}, indent=1) + "\n")
     print(f"written: {out.relative_to(REPO)}")
     return 0
 

@@ -235,3 +235,31 @@ def test_the_shipped_reference_is_the_estimate_of_the_probed_hosts_and_checks_on
             point["gpu_s"] + point["cpu_s"] * point["probe_ratio"] / (sum(others) / len(others)))
         assert check["predicted_with_probe_s"] != pytest.approx(point["predicted_step_s"])  # the probe changed it
         assert abs(check["error_with_probe"]) < 0.10
+
+
+def test_the_runs_the_reference_never_saw_are_the_scripts_checks_and_their_plans_as_recorded() -> None:
+    """benchmarks/probe_reference.py's checks (runs planned with the shipped reference, not used to estimate it):
+    recomputed here, each equals what the plan on its host said before it trained (its own probe, the shipped
+    reference), and reference.json keeps them and the shaper's gain as measured, misses included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_reference", REPO / "benchmarks" / "probe_reference.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    document = json.loads((script.DATA / "reference.json").read_text())
+    runs, gains = script.checked(COSTS.kt_probe_reference[document["method"]])
+    fitted = {(script.DATA / p["host"]).resolve() for p in document["hosts"]}
+    assert len(runs) == len(script.CHECKS) >= 3
+    for run, (name, folder, file) in zip(runs, script.CHECKS):
+        assert folder.resolve() not in fitted
+        recorded = json.loads((folder / file).read_text())["predicted"]["step_s"]
+        assert run["predicted_with_probe_s"] == pytest.approx(recorded, rel=5e-3)
+    assert [r["check"] for r in document["checks"]] == [r["check"] for r in runs]
+    for kept, now in zip(document["checks"], runs):
+        assert kept["error_with_probe"] == pytest.approx(now["error_with_probe"], abs=1e-6)
+    assert len(gains) == len(document["shaper_gain"]) >= 1
+    for kept, now in zip(document["shaper_gain"], gains):
+        assert now["measured_gain"] == pytest.approx(
+            next(r["measured_step_s"] for r in runs if r["check"] == now["as_written"])
+            / next(r["measured_step_s"] for r in runs if r["check"] == now["shaped"]))
+        assert kept["predicted_gain"] == pytest.approx(now["predicted_gain"], abs=1e-6)
