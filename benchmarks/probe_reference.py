@@ -11,7 +11,9 @@ Inputs: ``benchmarks/data/plan-probe/HOST/sft.json`` (``gpu_host/run.sh merged-f
 Kimi-K2.5 slice, one MoE layer, 5 KT RAWINT4 steps, ``ktflow plan``'s prediction with the probe saved before the
 run). The prediction's CPU and GPU parts are recomputed with ktflow's own time model (checked against the recorded
 step). The reference is the mean of the hosts' estimates; each host's prediction with the *other* host's estimate is
-the out-of-sample check.
+the out-of-sample check. Then the runs planned with the shipped reference and never used to estimate it
+(:data:`CHECKS`): each one's step with its own probe and without, and the shaper's gain where one machine trained the
+same batch both ways (:data:`GAIN_PAIRS`), against what they measured.
 
     .venv/bin/python benchmarks/probe_reference.py    # prints the table, writes plan-probe/reference.json
 """
