@@ -5,6 +5,9 @@
 #                                       losscheck-bf16 losscheck-rawint4 collect   (or: all)
 #                                probe (gpu_host/probe.py: ktflow's host probe, kt-kernel's SFT kernels at the fitted
 #                                       models' shapes, into results/probe-HOST.json; THREADS=T, PROBE_METHODS=RAWINT4)
+#                                probe-sweep (gpu_host/probe_sweep.py: the probe's ratio against its repeats, experts
+#                                       and tokens at the Kimi-K2.5 slice's shape, into build/gpu-host/probe-sweep;
+#                                       THREADS=T, POINTS=a,b; points already measured are skipped)
 #                                bigger than the GPU (gpu_host/big.py; one device call each, in this order):
 #                                       fixture-big sft-big hf-big convert-big kill-big resume-big report-big
 #                                       big-reduced (the same code at reduced size: fixture, 4 KT steps, convert)
@@ -331,6 +334,9 @@ for s in "${steps[@]}"; do
     big-reduced) step_big_reduced || status=1 ;;
     probe) t=$(date +%s); rc=0; "$PY" gpu_host/probe.py ${THREADS:+--threads "$THREADS"} ${PROBE_METHODS:+--methods "$PROBE_METHODS"} --out "$RES" || rc=$?
            stamp probe "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
+    probe-sweep) t=$(date +%s); rc=0
+                 "$PY" gpu_host/probe_sweep.py --python "$PY" ${THREADS:+--threads "$THREADS"} ${POINTS:+--points "$POINTS"} || rc=$?
+                 stamp probe-sweep "$t" "$rc"; [ "$rc" = 0 ] || status=1 ;;
     slice-fixture-*) kslice fixture "${s#slice-fixture-}" || status=1 ;;
     slice-sft-*) written=(); [ "${AS_WRITTEN:-0}" = 1 ] && written=(--as-written)
                  kslice sft "${s#slice-sft-}" --gpus "$GPUS" ${THREADS:+--threads "$THREADS"} "${written[@]}" || status=1 ;;
