@@ -85,10 +85,10 @@ def point_settings(sft: SftConfig, threads: int, experts: int | None, tokens: in
                                       "tokens": max(1, round(whole_pass * count / KIMI_K25.experts))})
 
 
-def sweep(names: list[str], threads: int, out: Path, python: Path) -> list[dict[str, Any]]:
-    """Measure each named point (its repeats) not yet in ``out``; returns every record in ``out``."""
+def sweep(names: list[str], threads: int, out: Path, python: Path, machine: str) -> list[dict[str, Any]]:
+    """Measure each named point (its repeats) not yet in ``out`` on ``machine`` (this one's ``HostInfo.machine``);
+    returns every record in ``out``."""
     sft = load_recipe(RECIPE).sft
-    host = probe_host()
     records: list[dict[str, Any]] = json.loads(out.read_text()) if out.is_file() else []
     for name in names:
         experts, tokens, repeats = POINTS[name]
@@ -97,7 +97,7 @@ def sweep(names: list[str], threads: int, out: Path, python: Path) -> list[dict[
         for repeat in range(done, repeats):
             started = time.monotonic()
             try:
-                probe = run_probe(settings, host.machine, python, toolchain="bundle")
+                probe = run_probe(settings, machine, python, toolchain="bundle")
             except KtflowError as exc:
                 record = {"point": name, "repeat": repeat, "settings": settings.model_dump(), "error": str(exc)}
             else:
@@ -107,7 +107,7 @@ def sweep(names: list[str], threads: int, out: Path, python: Path) -> list[dict[
                           "pairs": probe.pairs, "weight_bytes": probe.weight_bytes, "setup_s": probe.setup_s,
                           "wall_s": probe.wall_s, "model_s": model,
                           "ratio": probe.seconds / model if probe.seconds is not None else None}
-            record.update(machine=host.machine, method=kt_sft_method(sft), seconds=round(time.monotonic() - started, 1))
+            record.update(machine=machine, method=kt_sft_method(sft), seconds=round(time.monotonic() - started, 1))
             records.append(record)
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".tmp")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     host = probe_host()
     threads = args.threads or host.physical_cores
     out = args.out or OUT / f"{hashlib.sha256(host.machine.encode()).hexdigest()[:16]}-t{threads}.json"
-    records = sweep(names, threads, out, Path(args.python))
+    records = sweep(names, threads, out, Path(args.python), host.machine)
     print(f"{len(records)} probe(s) in {out}")
     return 0
 

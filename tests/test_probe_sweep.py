@@ -48,13 +48,15 @@ def test_a_cut_sweep_goes_on_where_it_stopped(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(probe_sweep, "run_probe", fake_probe)
     out = tmp_path / "sweep.json"
-    probe_sweep.sweep(["as-shipped"], 4, out, Path(sys.executable))
+    probe_sweep.sweep(["as-shipped"], 4, out, Path(sys.executable), "test machine")
     assert len(ran) == 3  # its repeats
-    records = probe_sweep.sweep(["as-shipped", "128-experts-bound"], 4, out, Path(sys.executable))
+    records = probe_sweep.sweep(["as-shipped", "128-experts-bound"], 4, out, Path(sys.executable),
+                              "test machine")
     assert len(ran) == 5  # only the new point's two
     assert [r["point"] for r in records] == ["as-shipped"] * 3 + ["128-experts-bound"] * 2
     assert json.loads(out.read_text()) == records
     for record in records:
+        assert record["machine"] == "test machine"
         settings = KtProbeSettings.model_validate(record["settings"])
         assert record["ratio"] == pytest.approx(0.03 * settings.experts / record["model_s"])
         assert record["model_s"] > 0
