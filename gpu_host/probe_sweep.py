@@ -98,15 +98,14 @@ def sweep(names: list[str], threads: int, out: Path, python: Path, machine: str)
             started = time.monotonic()
             try:
                 probe = run_probe(settings, machine, python, toolchain="bundle")
-            except KtflowError as exc:
-                record = {"point": name, "repeat": repeat, "settings": settings.model_dump(), "error": str(exc)}
-            else:
-                model = probe_model_seconds(settings, sft)
-                record = {"point": name, "repeat": repeat, "settings": settings.model_dump(), "status": probe.status,
-                          "reason": probe.reason, "forward_s": probe.forward_s, "backward_s": probe.backward_s,
-                          "pairs": probe.pairs, "weight_bytes": probe.weight_bytes, "setup_s": probe.setup_s,
-                          "wall_s": probe.wall_s, "model_s": model,
-                          "ratio": probe.seconds / model if probe.seconds is not None else None}
+            except KtflowError as exc:  # the toolchain's fault, not the machine's: nothing to record, stop here
+                raise SystemExit(f"{name} #{repeat + 1}: the probe could not run in {python}: {exc}") from None
+            model = probe_model_seconds(settings, sft)
+            record = {"point": name, "repeat": repeat, "settings": settings.model_dump(), "status": probe.status,
+                      "reason": probe.reason, "forward_s": probe.forward_s, "backward_s": probe.backward_s,
+                      "pairs": probe.pairs, "weight_bytes": probe.weight_bytes, "setup_s": probe.setup_s,
+                      "wall_s": probe.wall_s, "model_s": model,
+                      "ratio": probe.seconds / model if probe.seconds is not None else None}
             record.update(machine=machine, method=kt_sft_method(sft), seconds=round(time.monotonic() - started, 1))
             records.append(record)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +116,7 @@ def sweep(names: list[str], threads: int, out: Path, python: Path, machine: str)
             print(f"{name} #{repeat + 1}: {settings.describe()}: "
                   + (f"ratio {ratio:.3f} (forward {record['forward_s'] * 1e3:.1f} ms, backward "
                      f"{record['backward_s'] * 1e3:.1f} ms, model {record['model_s'] * 1e3:.1f} ms)" if ratio else
-                     f"not measured: {record.get('error') or record.get('reason')}"), flush=True)
+                     f"not measured: {record['reason']}"), flush=True)
     return records
 
 

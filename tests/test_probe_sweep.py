@@ -60,3 +60,10 @@ def test_a_cut_sweep_goes_on_where_it_stopped(tmp_path: Path, monkeypatch: pytes
         settings = KtProbeSettings.model_validate(record["settings"])
         assert record["ratio"] == pytest.approx(0.03 * settings.experts / record["model_s"])
         assert record["model_s"] > 0
+
+
+def test_a_probe_that_cannot_run_stops_the_sweep_and_records_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    with pytest.raises(SystemExit, match="could not run in /nonexistent/python"):
+        probe_sweep.sweep(["as-shipped"], 2, out, Path("/nonexistent/python"), "test machine")
+    assert not out.exists()
