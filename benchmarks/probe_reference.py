@@ -85,6 +85,11 @@ def host_point(folder: Path, run: str = "sft.json") -> dict:
             "cpu_factor": factor, "reference_estimate": ratio / factor}
 
 
+def step_at(point: dict, ratio: float, reference: float) -> float:
+    """``point``'s step with its CPU passes scaled by a probe's ``ratio`` over ``reference``."""
+    return point["gpu_s"] + point["cpu_s"] * ratio / reference
+
+
 def reference_of(points: list[dict]) -> float:
     """The reference the hosts estimate together: the mean of theirs."""
     return statistics.fmean(p["reference_estimate"] for p in points)
@@ -95,7 +100,7 @@ def out_of_sample(points: list[dict]) -> list[dict]:
     checks = []
     for p in points:
         reference = reference_of([q for q in points if q is not p])
-        scaled = p["gpu_s"] + p["cpu_s"] * p["probe_ratio"] / reference
+        scaled = step_at(p, p["probe_ratio"], reference)
         checks.append({"host": p["host"], "reference_from_others": reference, "predicted_as_fitted_s": p["predicted_step_s"],
                        "predicted_with_probe_s": scaled, "measured_s": p["measured_step_s"],
                        "error_as_fitted": p["predicted_step_s"] / p["measured_step_s"] - 1,
@@ -123,15 +128,15 @@ def checked(reference: float) -> tuple[list[dict], list[dict]]:
     rows = {}
     for name, folder, run in CHECKS:
         p = host_point(folder, run)
-        with_probe = p["gpu_s"] + p["cpu_s"] * p["probe_ratio"] / reference
+        with_probe = step_at(p, p["probe_ratio"], reference)
         rows[name] = {"check": name, **p, "predicted_with_probe_s": with_probe,
                       "error_with_probe": with_probe / p["measured_step_s"] - 1,
                       "error_without_probe": p["predicted_step_s"] / p["measured_step_s"] - 1}
     gains = []
     for shaped_name, written_name in GAIN_PAIRS:
         shaped, written = rows[shaped_name], rows[written_name]
-        scale = shaped["probe_ratio"] / reference
-        predicted = (written["gpu_s"] + written["cpu_s"] * scale) / (shaped["gpu_s"] + shaped["cpu_s"] * scale)
+        predicted = (step_at(written, shaped["probe_ratio"], reference)
+                     / step_at(shaped, shaped["probe_ratio"], reference))
         measured = written["measured_step_s"] / shaped["measured_step_s"]
         gains.append({"shaped": shaped_name, "as_written": written_name, "predicted_gain": predicted,
                       "measured_gain": measured, "error": predicted / measured - 1})

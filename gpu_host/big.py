@@ -671,6 +671,7 @@ def child_serve_prep(sets_json: str, serve_recipe: str) -> int:
     from ktflow.stages.promotion import serving_dir
     from ktflow.stages.serve.sglang.inputs import sglang_inputs
     from ktflow.stages.weights import ensure_serving_weights, ensure_source, ensure_training_weights
+    from ktflow.store import tree_bytes
 
     recipe = load_recipe(Path(serve_recipe), json.loads(sets_json))
     timings: dict[str, float] = {}
@@ -687,8 +688,7 @@ def child_serve_prep(sets_json: str, serve_recipe: str) -> int:
     view, kt_dir = sglang_inputs(recipe, model_dir=model_dir, kt_weight_dir=kt_weights, adapter_dir=adapter,
                                  record_dir=serving_dir(recipe), log=print)
     timings["sglang_inputs_s"] = round(time.perf_counter() - started, 1)
-    sizes = {str(p): round(sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file() and not f.is_symlink())
-                           / 1e9, 2) for p in {kt_weights, kt_dir, view}}
+    sizes = {str(p): round(tree_bytes(p) / 1e9, 2) for p in {kt_weights, kt_dir, view}}
     print("PREPARED " + json.dumps({"method": recipe.serving.kt_method, "model_dir": str(model_dir),
                                     "kt_weights": str(kt_weights), "kt_weight_path": str(kt_dir), "model_view": str(view),
                                     "adapter": str(adapter), "gb_on_disk": sizes, **timings}), flush=True)

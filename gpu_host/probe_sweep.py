@@ -40,7 +40,6 @@ from ktflow.fixtures.stream import KIMI_K25  # noqa: E402
 from ktflow.host.hardware import probe_host  # noqa: E402
 from ktflow.planning.host_probe import (  # noqa: E402
     KtProbeSettings,
-    kt_sft_method,
     probe_model_seconds,
     probe_settings,
     run_probe,
@@ -106,17 +105,16 @@ def sweep(names: list[str], threads: int, out: Path, python: Path, machine: str)
                       "pairs": probe.pairs, "weight_bytes": probe.weight_bytes, "setup_s": probe.setup_s,
                       "wall_s": probe.wall_s, "model_s": model,
                       "ratio": probe.seconds / model if probe.seconds is not None else None}
-            record.update(machine=machine, method=kt_sft_method(sft), seconds=round(time.monotonic() - started, 1))
+            record.update(machine=machine, seconds=round(time.monotonic() - started, 1))
             records.append(record)
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".tmp")
             tmp.write_text(json.dumps(records, indent=1) + "\n")
             tmp.replace(out)
-            ratio = record.get("ratio")
             print(f"{name} #{repeat + 1}: {settings.describe()}: "
-                  + (f"ratio {ratio:.3f} (forward {record['forward_s'] * 1e3:.1f} ms, backward "
-                     f"{record['backward_s'] * 1e3:.1f} ms, model {record['model_s'] * 1e3:.1f} ms)" if ratio else
-                     f"not measured: {record['reason']}"), flush=True)
+                  + (f"ratio {record['ratio']:.3f} (forward {probe.forward_s * 1e3:.1f} ms, backward "
+                     f"{probe.backward_s * 1e3:.1f} ms, model {model * 1e3:.1f} ms)" if record["ratio"] is not None
+                     else f"not measured: {probe.reason}"), flush=True)
     return records
 
 
