@@ -52,6 +52,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -85,6 +86,12 @@ LEVER_ARGS = "--concurrency 1 --max-tokens 256 --requests-per-level 3"
 SERVED_LOSS_RECORDS = 16  # the slice's training records whose served loss each load server reports
 START_S = {1: 85.0, 2: 90.0, 3: 100.0}  # a warm server start by depth (docstring), for the phases' time budget
 LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwidth and stop
+# A tiny fixture's server in the check: ready in 75-160 s on the H200 + 16-core host (the first after serve-setup the
+# slowest), then ~5 s to score; a server started with less than this left is killed before it scores (seen: 90 s).
+CHECK_SERVER_S = 120.0
+# loss_check.py's reference runs in the host's own python (transformers + PEFT, nothing of the KT stack): run.sh's
+# losscheck steps call it as python3 too.
+REFERENCE_PYTHON = os.environ.get("KTFLOW_REFERENCE_PYTHON", "python3")
 # GPU experts: their INT4 MoE GEMM is sglang's Marlin kernel, compiled by nvcc at its first call (the CUDA-graph
 # capture's warm-up): one nvcc process, ~180 template variants, minutes (two starts on an H100 host had not finished
 # it ~100 s into the capture). `run.sh serve-jit` builds it once into TVM_FFI_CACHE_DIR; without that build a GPU
@@ -842,7 +849,7 @@ def phase_load(work: MergedWork) -> int:
     doc["chosen"] = chosen
     tokens = served_tokens(work)
     status = 0
-    for what in work.args.only.split(","):
+    for what in (work.args.only or "lora,merged,base").split(","):
         if doc.get(what, {}).get("ok") and not work.args.again:
             continue
         extra = [] if what == "lora" else list(chosen["sets"])
@@ -908,6 +915,20 @@ def check_sets(name: str, method: str | None, store: Path, serve_python: Path, e
     return sets + ["serving.mode=merged", f"serving.kt_method={method}", "serving.disable_cuda_graph=false"]
 
 
+def check_variants(name: str, only: str | None) -> list[tuple[str, str | None]]:
+    """The fixture's servers a check step runs: all of CHECK_VARIANTS[name], or those ``only`` names (comma-separated
+    labels, e.g. ``merged-BF16,merged-AMXINT8`` to skip a LoRA path measured before)."""
+    variants = CHECK_VARIANTS[name]
+    if not only:
+        return variants
+    wanted = only.split(",")
+    unknown = sorted(set(wanted) - {label for label, _ in variants})
+    if unknown:
+        raise SystemExit(f"check --only: {unknown} are not servers of the {name} check; "
+                         f"use some of {[label for label, _ in variants]}")
+    return [(label, method) for label, method in variants if label in wanted]
+
+
 def phase_check(work: MergedWork) -> int:
     """Item 4 on the tiny fixtures the LoRA path's served = trained was measured on (run.sh NAME convert-NAME
     losscheck-NAME before, on this machine): the LoRA path and each merged format of the same converted adapter,
@@ -930,12 +951,14 @@ def phase_check(work: MergedWork) -> int:
     path = work.results / f"check-{name}.json"
     doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     doc.update(reference=ref, reference_file=str(reference), published_lora_path=LORA_PATH_PUBLISHED[name])
+    doc.pop("skipped", None)  # what this run leaves says itself below
     status = 0
-    for label, method in CHECK_VARIANTS[name]:
+    variants = check_variants(name, work.args.only)
+    for label, method in variants:
         if doc.get(label, {}).get("ok") and not work.args.again:
             continue
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
-        if left < 75:
+        if left < CHECK_SERVER_S:
             doc.setdefault("skipped", []).append(label)
             continue
         spec = {"label": f"check-{name}-{label}", "recipe": str(recipe),
@@ -948,6 +971,8 @@ def phase_check(work: MergedWork) -> int:
         served = (got.get("served_loss") or {}).get("loss")
         got["difference"] = served - ref if served is not None else None
         got["within_exact_tolerance"] = abs(served - ref) <= EXACT_TOLERANCE if served is not None else None
+        if method == "BF16" and served is not None:
+            got["merged_weights_fp32"] = merged_weights_loss(got, adapter, tokens, ref)
         doc[label] = got
         status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
         path.write_text(json.dumps(doc, indent=1, default=str))
@@ -956,6 +981,25 @@ def phase_check(work: MergedWork) -> int:
     table = check_table(name, doc)
     work.save(f"check-{name}-summary", table)
     return status | (0 if table["bf16_within_tolerance"] is not False else 1)
+
+
+def merged_weights_loss(got: dict[str, Any], adapter: Path, tokens: Path, reference: float) -> dict[str, Any]:
+    """The merged BF16 checkpoint scored by loss_check.py in float32 (as the reference, with no adapter on top), so
+    a merged BF16 server's difference from the reference splits in two: the weights' rounding to BF16 (this score
+    less the reference) and the server's BF16 computation (the served loss less this score)."""
+    merged = (got.get("endpoint") or {}).get("merged_dir")
+    if not merged:
+        return {"error": "the server's record names no merged folder"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "loss.json"
+        done = subprocess.run([REFERENCE_PYTHON, str(REPO / "gpu_host" / "loss_check.py"), "loss", merged,
+                               str(adapter), str(tokens), "--variant", "base", "--json", str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0 or not out.is_file():
+            return {"error": f"loss_check.py exited {done.returncode}: {done.stderr.strip()[-300:]}"}
+        loss = json.loads(out.read_text())["loss"]
+    served = got["served_loss"]["loss"]
+    return {"loss": loss, "rounding": loss - reference, "server": served - loss}
 
 
 def check_table(name: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -967,7 +1011,7 @@ def check_table(name: str, doc: dict[str, Any]) -> dict[str, Any]:
                      "reference": doc.get("reference"), "difference": got.get("difference"),
                      "relative": got["difference"] / doc["reference"] if got.get("difference") is not None else None,
                      "within_0.0005": got.get("within_exact_tolerance"), "ready_s": got.get("ready_s"),
-                     "error": got.get("error")})
+                     "merged_weights_fp32": got.get("merged_weights_fp32"), "error": got.get("error")})
     bf16 = next((r for r in rows if r["server"] == "merged-BF16"), {})
     return {"name": name, "rows": rows, "published_lora_path": doc.get("published_lora_path"),
             "bf16_within_tolerance": bf16.get("within_0.0005")}
@@ -1049,7 +1093,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", default="engine", choices=("engine", "gpu", "threads", "methods", "combo"),
                         help="levers: which levers")
     parser.add_argument("--levers", default="", help="levers: only these of the group (comma-separated names)")
-    parser.add_argument("--only", default="lora,merged,base", help="load: which servers, in this order")
+    parser.add_argument("--only", default=None,
+                        help="load: which servers, in this order (default lora,merged,base); check: which of the "
+                             "fixture's servers (default all: lora and each merged format)")
     parser.add_argument("--name", default="bf16", choices=tuple(TINY_BASES), help="check: which tiny fixture")
     parser.add_argument("--again", action="store_true", help="measure again what was measured before")
     parser.add_argument("--bandwidth-gib", type=float, default=4.0, help="the read-bandwidth buffer (GiB)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -297,6 +298,7 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     (build / "results" / "tokens-bf16.json").write_text(json.dumps(
         [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]}] * 3))
     (build / "results" / "loss-bf16-full.json").write_text(json.dumps({"loss": 0.0503}))
+    monkeypatch.setattr(ms, "REFERENCE_PYTHON", sys.executable)
     with monkeypatch.context() as inside:
         _in_process(inside)
         assert run("check", "--name", "bf16") == 0
@@ -304,6 +306,11 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     assert [r["server"] for r in check["rows"]] == ["lora", "merged-BF16"]
     assert all(r["served_loss"] == pytest.approx(0.05) and r["within_0.0005"] for r in check["rows"])
     assert check["bf16_within_tolerance"] is True
+    # the merged BF16 weights scored in float32 by loss_check.py (ktflow's own python holds what its base variant
+    # needs), the served difference split into the weights' rounding and the server's computation
+    fp32 = check["rows"][1]["merged_weights_fp32"]
+    assert math.isfinite(fp32["loss"]) and fp32["rounding"] == pytest.approx(fp32["loss"] - 0.0503)
+    assert fp32["server"] == pytest.approx(check["rows"][1]["served_loss"] - fp32["loss"])
 
     assert run("report") == 0
     report = json.loads((results / "summary.json").read_text())
@@ -346,3 +353,13 @@ def test_gpu_experts_wait_for_the_marlin_kernel_build(tmp_path: Path, monkeypatc
     assert not ms.marlin_built()
     (tmp_path / "sgl_kernel_jit_moe_wna16_marlin_bf16_t_0123").mkdir()
     assert ms.marlin_built()
+
+
+def test_a_check_step_runs_the_servers_only_names_and_refuses_one_the_fixture_has_not() -> None:
+    """`ONLY=merged-BF16,merged-AMXINT8 run.sh merged-check-bf16` skips a LoRA path measured before; a label of
+    another fixture (or a typo) stops the step before any server starts, naming the labels it knows."""
+    assert ms.check_variants("bf16", None) == ms.CHECK_VARIANTS["bf16"]
+    assert ms.check_variants("bf16", "merged-AMXINT4,merged-BF16") == [("merged-BF16", "BF16"),
+                                                                        ("merged-AMXINT4", "AMXINT4")]
+    with pytest.raises(SystemExit, match=r"merged-RAWINT4.*not servers of the bf16 check"):
+        ms.check_variants("bf16", "merged-RAWINT4")

@@ -1,0 +1,184 @@
+"""What the BF16 merge's rounding alone costs in loss: an adapter trained to memorize, merged, both scored in float32.
+
+The served loss of merged BF16 weights differs from `gpu_host/loss_check.py`'s reference (base + adapter in float32)
+by two things at once: the merged weights are rounded to BF16 (W + alpha/r B A cannot keep the whole update where it
+is smaller than half a BF16 step of W), and the server computes in BF16 with kt-kernel's CPU experts. This script
+measures the first alone, on the CPU: it trains a rank-8 LoRA on the attention and every routed expert of the tiny
+BF16 DeepSeek-V3 fixture (`gpu_host/make_inputs.py`) in float32 until the fixture's training records are memorized
+(the regime of the GPU host's served = trained check), writes it as a converted adapter, merges it with
+`ktflow merge --method BF16`, and scores both with `loss_check.py` in float32: the reference (base + adapter) and the
+merged weights alone. Nothing is served; the difference is the rounding.
+
+The records are the GPU host's tokenization of the fixture's training data (`tokens-bf16.json` beside the
+served-loss figures it explains). Needs PEFT and transformers: the training toolchain.
+
+    make env train-env
+    .venv-train/bin/python benchmarks/merge_rounding.py     # ~2 min on 2 cores; prints and writes merge-rounding.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "benchmarks" / "data" / "merged-serving" / "h200-formats-and-levers"
+sys.path[:0] = [str(REPO), str(REPO / "gpu_host")]  # ktflow and the harness, from this checkout
+
+
+def train_memorizing_adapter(base: Path, start: Path, tokens: Path, out: Path, *, steps: int, lr: float,
+                             seed: int) -> list[float]:
+    """Train ``start``'s LoRA (attention through PEFT, experts as a parametrized update of the fused expert weights)
+    in float32 on every record, one full batch a step; write the result to ``out`` in ``start``'s layout and dtypes.
+    Returns the loss before each step."""
+    import loss_check
+    import torch
+    import torch.nn.utils.parametrize as parametrize
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    config = json.loads((start / "adapter_config.json").read_text())
+    scale = float(config["lora_alpha"]) / int(config["r"])
+    tensors = load_file(start / "adapter_model.safetensors")
+    model, checkpoint = loss_check._load_base(base, "cpu")
+    others: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        match = loss_check.EXPERT_KEY.match(loss_check._strip(key))
+        if match:
+            experts.setdefault((int(match[1]), int(match[2]), match[3]), {})[match[4]] = value
+        else:
+            others[loss_check._strip(key)] = value
+    for layer, expert, proj in experts:  # the update below is laid out as [experts, out, in]
+        if loss_check._expert_slot(model, checkpoint, layer, expert, proj)[1]:
+            raise SystemExit(f"layer {layer} expert {expert} {proj} is stored transposed; this script adds [out, in]")
+    lora = {key: (torch.nn.Parameter(pair["lora_A"].float().clone()),
+                  torch.nn.Parameter(torch.zeros_like(pair["lora_B"], dtype=torch.float32)))
+            for key, pair in experts.items()}
+    count = 1 + max(e for _, e, _ in experts)
+
+    def delta(layer: int, proj: str) -> torch.Tensor:
+        return torch.stack([lora[(layer, e, proj)][1] @ lora[(layer, e, proj)][0] for e in range(count)])
+
+    class GateUp(torch.nn.Module):
+        def __init__(self, layer: int) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight + scale * torch.cat([delta(self.layer, "gate_proj"), delta(self.layer, "up_proj")], dim=1)
+
+    class Down(GateUp):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight + scale * delta(self.layer, "down_proj")
+
+    for layer in sorted({layer for layer, _, _ in experts}):
+        module = model.get_submodule(f"model.layers.{layer}.mlp.experts")
+        module.gate_up_proj.requires_grad_(False)
+        module.down_proj.requires_grad_(False)
+        parametrize.register_parametrization(module, "gate_up_proj", GateUp(layer))
+        parametrize.register_parametrization(module, "down_proj", Down(layer))
+    targets = sorted({key.rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in others})
+    model = get_peft_model(model, LoraConfig(r=int(config["r"]), lora_alpha=config["lora_alpha"], lora_dropout=0.0,
+                                             target_modules=targets))
+    set_peft_model_state_dict(model, {f"base_model.model.{key}": value for key, value in others.items()})
+    records = json.loads(tokens.read_text())
+    trainable = [p for name, p in model.named_parameters() if "lora_" in name] + [p for ab in lora.values() for p in ab]
+    optimizer = torch.optim.Adam(trainable, lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        total, label_tokens = 0.0, 0
+        for record in records:
+            logits = model(input_ids=torch.tensor([record["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(record["labels"][1:])
+            mask = labels != -100
+            loss = torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum")
+            loss.backward()
+            total, label_tokens = total + loss.item(), label_tokens + int(mask.sum())
+        for p in trainable:
+            if p.grad is not None:
+                p.grad /= label_tokens
+        optimizer.step()
+        losses.append(total / label_tokens)
+    state = get_peft_model_state_dict(model)
+    trained = {}
+    for key, value in tensors.items():
+        match = loss_check.EXPERT_KEY.match(loss_check._strip(key))
+        if match:
+            a, b = lora[(int(match[1]), int(match[2]), match[3])]
+            got = a if match[4] == "lora_A" else b
+        else:
+            got = state[f"base_model.model.{loss_check._strip(key)}"]
+        trained[key] = got.detach().to(value.dtype).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(trained, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    for path in start.iterdir():
+        if path.name != "adapter_model.safetensors":
+            (out / path.name).write_bytes(path.read_bytes())
+    return losses
+
+
+def score(base: Path, adapter: Path, tokens: Path, variant: str) -> dict:
+    """``loss_check.py loss`` in this interpreter (float32, transformers + PEFT)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "loss.json"
+        subprocess.run([sys.executable, str(REPO / "gpu_host" / "loss_check.py"), "loss", str(base), str(adapter),
+                        str(tokens), "--variant", variant, "--json", str(out)], check=True, capture_output=True)
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=REPO / "build" / "merge-rounding")
+    parser.add_argument("--tokens", type=Path, default=DATA / "tokens-bf16.json")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DATA / "merge-rounding.json")
+    args = parser.parse_args(argv)
+
+    from merged_serving import random_converted_adapter
+
+    from ktflow.stages.merge import merge_adapter
+
+    base = args.work / "inputs" / "dsv3-bf16"
+    if not (base / "config.json").is_file():
+        # the fixtures come from ktflow's own environment (their Kimi INT4 sibling needs compressed-tensors)
+        subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "gpu_host" / "make_inputs.py"),
+                        str(args.work / "inputs")], check=True, capture_output=True)
+    start = random_converted_adapter(base, args.work / "start", seed=args.seed)
+    trained = args.work / f"trained-{args.steps}"
+    losses = None
+    if not (trained / "adapter_model.safetensors").is_file():
+        losses = train_memorizing_adapter(base, start, args.tokens, trained, steps=args.steps, lr=args.lr,
+                                          seed=args.seed)
+    merged = args.work / f"merged-bf16-{args.steps}"
+    if not (merged / "config.json").is_file():
+        merge_adapter(base, trained, merged, method="BF16")
+    reference = score(base, trained, args.tokens, "full")
+    no_experts = score(base, trained, args.tokens, "no-experts")
+    of_merged = score(merged, trained, args.tokens, "base")
+    difference = of_merged["loss"] - reference["loss"]
+    doc = {"fixture": "tiny BF16 DeepSeek-V3 (gpu_host/make_inputs.py dsv3-bf16)", "tokens": str(args.tokens.name),
+           "records": reference["records"], "label_tokens": reference["label_tokens"], "steps": args.steps,
+           "lr": args.lr, "seed": args.seed, "training_loss_first_last": [losses[0], losses[-1]] if losses else None,
+           "reference_loss": reference["loss"], "reference_without_expert_lora": no_experts["loss"],
+           "merged_bf16_loss_fp32": of_merged["loss"], "difference": difference,
+           "relative": difference / reference["loss"]}
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"reference (base + adapter, float32): {reference['loss']:.6f}   without its expert LoRA: "
+          f"{no_experts['loss']:.4f}")
+    print(f"merged BF16 weights, scored in float32: {of_merged['loss']:.6f}   difference {difference:+.6f} "
+          f"({difference / reference['loss']:+.2%})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
