@@ -77,6 +77,10 @@ SERVE_PY = BUILD / "serve" / "bin" / "python"
 FIXED_GB, LAYER_GB = 5.82, 9.8
 MARGIN_GB = 4.0  # the adapter, its checkpoints' leftovers, sglang-kt's LoRA split in /tmp, logs
 DEPTHS = (3, 2, 1)
+# Where the served checkpoints' language-model views go (each the size of its checkpoint; see ktflow's
+# stages/serve/sglang/inputs.py): beside the slice (default), or under VIEW_ROOT, e.g. a tmpfs such as /dev/shm on a
+# host with more RAM than disk, where they cost RAM instead (a 64 GiB disk then holds depth 2: the base and its merge).
+VIEW_ROOT_ENV = "VIEW_ROOT"
 # What every merged (and base) server of the slice is started with unless a lever says otherwise: the merged mode's
 # point (CUDA graphs on), room for concurrency 16, the slice recipe's other settings (graphs off is the LoRA path's).
 MERGED_SETS = ["serving.mode=merged", "serving.disable_cuda_graph=false", "serving.max_running_requests=16"]
@@ -139,9 +143,15 @@ class MergedWork(kimi_slice.SliceWork):
             return self.converted
         return self.root / "converted-random"
 
+    @property
+    def endpoints(self) -> Path:
+        """The served checkpoints' record directories (their model views): VIEW_ROOT's, else beside the slice."""
+        where = os.environ.get(VIEW_ROOT_ENV)
+        return Path(where) / f"moe{self.moe_layers}" if where else self.root / "endpoints"
+
     def endpoint(self, key: str) -> Path:
         """One record directory per served checkpoint: its model view is made once and reused by every server."""
-        return self.root / "endpoints" / key
+        return self.endpoints / key
 
 
 def read_depth() -> int | None:
@@ -153,24 +163,40 @@ def slice_gb(depth: int) -> float:
     return FIXED_GB + LAYER_GB * depth
 
 
-def choose_depth(free_gb: float) -> int | None:
-    """The deepest slice whose merged server's start fits: the base, its RAWINT4 merge and that merge's view."""
-    return next((d for d in DEPTHS if 3 * slice_gb(d) + MARGIN_GB <= free_gb), None)
+def choose_depth(free_gb: float, view_free_gb: float | None = None) -> int | None:
+    """The deepest slice whose merged server's start fits: the base, its RAWINT4 merge and that merge's view on the
+    disk, or, with the views elsewhere (``view_free_gb`` free there), the base and its merge on the disk and the
+    views of the base and the merge there."""
+    if view_free_gb is None:
+        return next((d for d in DEPTHS if 3 * slice_gb(d) + MARGIN_GB <= free_gb), None)
+    return next((d for d in DEPTHS if 2 * slice_gb(d) + MARGIN_GB <= free_gb
+                 and 2 * slice_gb(d) + MARGIN_GB <= view_free_gb), None)
+
+
+def views_elsewhere(work: MergedWork) -> bool:
+    """Whether the model views live on another filesystem than the slice (VIEW_ROOT on a tmpfs, say)."""
+    work.endpoints.mkdir(parents=True, exist_ok=True)
+    ROOT.mkdir(parents=True, exist_ok=True)
+    return work.endpoints.stat().st_dev != ROOT.stat().st_dev
 
 
 # --------------------------------------------------------------------------- disk
 
 
-def make_room(work: MergedWork, need_bytes: int, keep: set[Path]) -> dict[str, Any]:
-    """Free ``need_bytes`` (plus the margin) by removing, in this order, the model views of other endpoints and
-    the store's other merges (both remade on demand); never the base, the adapter or anything in ``keep``."""
+def make_room(work: MergedWork, need_bytes: int, keep: set[Path], on: Path | None = None) -> dict[str, Any]:
+    """Free ``need_bytes`` (plus the margin) on ``on``'s filesystem (default: the slice's) by removing, in this
+    order, the model views of other endpoints and the store's other merges (both remade on demand), those of them
+    on that filesystem; never the base, the adapter or anything in ``keep``."""
     removed: list[str] = []
     keep = {p.resolve() for p in keep}
+    on = on or work.root
 
     def short() -> float:
-        return need_bytes / 1e9 + MARGIN_GB - free_disk_gb(work.root)
+        return need_bytes / 1e9 + MARGIN_GB - free_disk_gb(on)
 
-    candidates = sorted(work.root.glob("endpoints/*/model-view-*")) + sorted((work.sft_store / "merged").glob("*"))
+    device = on.stat().st_dev
+    candidates = [p for p in sorted(work.endpoints.glob("*/model-view-*")) + sorted((work.sft_store / "merged").glob("*"))
+                  if p.stat().st_dev == device]
     for path in candidates:
         if short() <= 0:
             break
@@ -199,9 +225,12 @@ def phase_fixture(work: MergedWork) -> int:
     """The slice at the depth the disk allows (kept in depth.json for the later phases), and the records."""
     if not work.depth_known:
         free = free_disk_gb(ROOT)
-        depth = choose_depth(free)
+        view_free = free_disk_gb(work.endpoints) if views_elsewhere(work) else None
+        depth = choose_depth(free, view_free)
         if depth is None:
-            print(f"fixture: {free} GB free; even depth 1 needs {3 * slice_gb(1) + MARGIN_GB:.0f} GB")
+            copies = 3 if view_free is None else 2
+            print(f"fixture: {free} GB free (views: {view_free if view_free is not None else 'on this disk'}); "
+                  f"even depth 1 needs {copies * slice_gb(1) + MARGIN_GB:.0f} GB")
             return 1
         work = MergedWork(argparse.Namespace(**{**vars(work.args), "moe_layers": depth}))
     ROOT.mkdir(parents=True, exist_ok=True)
@@ -527,7 +556,8 @@ def room_for(work: MergedWork, spec: dict[str, Any]) -> dict[str, Any]:
     keep = {work.model, work.adapter(), record}
     if spec["mode"] == "merged":
         keep.add(model)
-    return make_room(work, _view_bytes(model, record), keep)
+    record.mkdir(parents=True, exist_ok=True)
+    return make_room(work, _view_bytes(model, record), keep, on=record)
 
 
 def served_tokens(work: MergedWork) -> Path | None:
@@ -1049,7 +1079,7 @@ def phase_report(work: MergedWork) -> int:
 
 def phase_clean(work: MergedWork) -> int:
     """Remove this depth's model, views, merges and store (the results stay)."""
-    for path in (work.root, work.sft_store, ROOT / "tiny-store", ROOT / "tiny-endpoint"):
+    for path in (work.root, work.endpoints, work.sft_store, ROOT / "tiny-store", ROOT / "tiny-endpoint"):
         shutil.rmtree(path, ignore_errors=True)
     (ROOT / "depth.json").unlink(missing_ok=True)
     print(f"removed; {free_disk_gb(ROOT)} GB free")

@@ -23,7 +23,8 @@
 #                                       pack-slice (build/gpu-host/slice results into $RESULTS_OUT/slice-results.tar.gz)
 #                                merged serving at Kimi-K2.5's geometry (gpu_host/merged_serving.py; results in
 #                                       build/gpu-host/merged/results): merged-fixture (MOE_LAYERS=N, else the depth
-#                                       the disk allows) merged-adapter (RANDOM_ADAPTER=1: random LoRA, no training)
+#                                       the disk allows; VIEW_ROOT=/dev/shm/ktflow-views: the served models' views in
+#                                       RAM, for every merged step) merged-adapter (RANDOM_ADAPTER=1: random LoRA, no training)
 #                                       merged-merge (METHOD=M, default RAWINT4) merged-levers-GROUP (engine gpu threads
 #                                       methods combo) merged-load (ONLY=lora,merged,base) merged-check-NAME (bf16,
 #                                       rawint4: served = trained for each merged format; ONLY=merged-BF16,... some

@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -342,6 +343,31 @@ def test_make_room_removes_other_views_and_merges_never_the_base(tmp_path: Path,
     room = ms.make_room(work, 10**9, keep={work.model, work.endpoint("merged-RAWINT4")})
     assert not room["fits"] and sorted(Path(p).name for p in room["removed"]) == ["model-view-a", "x"]
     assert work.model.is_dir() and (work.root / "endpoints/merged-RAWINT4/model-view-b").is_dir()
+
+
+def test_views_in_ram_leave_the_disk_to_the_base_and_its_merge(tmp_path: Path, monkeypatch) -> None:
+    """VIEW_ROOT on another filesystem (a tmpfs): the disk holds the base and its merge, the views go there, a
+    64 GiB disk takes depth 2; room for a view is made on the views' filesystem, never by removing a merge."""
+    assert ms.choose_depth(60) == 1 and ms.choose_depth(60, 70) == 2 and ms.choose_depth(60, 40) == 1
+    assert ms.choose_depth(240, 240) == 3 and ms.choose_depth(20, 240) is None
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no /dev/shm on a filesystem of its own here")
+    views = Path(tempfile.mkdtemp(prefix="ktflow-views-", dir=shm))
+    try:
+        monkeypatch.setenv(ms.VIEW_ROOT_ENV, str(views))
+        work = _work(tmp_path, monkeypatch)
+        assert work.endpoint("base") == views / f"moe{work.moe_layers}" / "base" and ms.views_elsewhere(work)
+        for d in ("base/model-view-a", "merged-RAWINT4/model-view-b"):
+            (work.endpoints / d).mkdir(parents=True)
+        (work.sft_store / "merged" / "x").mkdir(parents=True)
+        monkeypatch.setattr(ms, "free_disk_gb", lambda path: 1.0)
+        room = ms.make_room(work, 10**9, keep={work.model, work.endpoint("merged-RAWINT4")},
+                            on=work.endpoint("merged-RAWINT4"))
+        assert [Path(p).name for p in room["removed"]] == ["model-view-a"]
+        assert (work.sft_store / "merged" / "x").is_dir() and (work.endpoints / "merged-RAWINT4/model-view-b").is_dir()
+    finally:
+        shutil.rmtree(views, ignore_errors=True)
 
 
 def test_gpu_experts_wait_for_the_marlin_kernel_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
