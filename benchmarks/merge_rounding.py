@@ -1,19 +1,23 @@
-"""What the BF16 merge's rounding alone costs in loss: an adapter trained to memorize, merged, both scored in float32.
+"""What a merge's rounding alone costs in loss: an adapter trained to memorize, merged, both scored in float32.
 
-The served loss of merged BF16 weights differs from `gpu_host/loss_check.py`'s reference (base + adapter in float32)
-by two things at once: the merged weights are rounded to BF16 (W + alpha/r B A cannot keep the whole update where it
-is smaller than half a BF16 step of W), and the server computes in BF16 with kt-kernel's CPU experts. This script
-measures the first alone, on the CPU: it trains a rank-8 LoRA on the attention and every routed expert of the tiny
-BF16 DeepSeek-V3 fixture (`gpu_host/make_inputs.py`) in float32 until the fixture's training records are memorized
-(the regime of the GPU host's served = trained check), writes it as a converted adapter, merges it with
-`ktflow merge --method BF16`, and scores both with `loss_check.py` in float32: the reference (base + adapter) and the
-merged weights alone. Nothing is served; the difference is the rounding.
+The served loss of merged weights differs from `gpu_host/loss_check.py`'s reference (base + adapter in float32) by
+two things at once: the merged weights are rounded to the served format (W + alpha/r B A cannot keep the part of the
+update smaller than half a step of that format), and the server computes in BF16 with kt-kernel's CPU experts. This
+script measures the first alone, on the CPU: it trains a rank-8 LoRA on the attention and every routed expert of one
+of the GPU host's tiny fixtures (`gpu_host/make_inputs.py`) in float32 until the fixture's training records are
+memorized (the regime of the GPU host's served = trained check), writes it as a converted adapter, merges it with
+`ktflow merge`, and scores in float32 with `loss_check.py` the reference (base + adapter) and the merged weights
+alone: BF16 for the BF16 DeepSeek-V3 fixture; BF16 and RAWINT4 (Kimi's INT4 re-encoded, scored as the BF16 it
+decodes to) for the Kimi INT4 fixture, whose reference and training read its exact BF16 decoding. Nothing is
+served; each difference is that merge's rounding.
 
-The records are the GPU host's tokenization of the fixture's training data (`tokens-bf16.json` beside the
-served-loss figures it explains). Needs PEFT and transformers: the training toolchain.
+The records are the GPU host's tokenization of each fixture's training data (`tokens-bf16.json` beside the
+served-loss figures it explains; the Kimi INT4 fixture's in benchmarks/data/gpu-host-checks). Writes
+`merge-rounding-FIXTURE.json` beside the served-loss figures. Needs PEFT and transformers: the training toolchain.
 
     make env train-env
-    .venv-train/bin/python benchmarks/merge_rounding.py     # ~2 min on 2 cores; prints and writes merge-rounding.json
+    .venv-train/bin/python benchmarks/merge_rounding.py                     # BF16: ~1 min on 2 cores
+    .venv-train/bin/python benchmarks/merge_rounding.py --fixture rawint4   # Kimi INT4: merged BF16 and RAWINT4
 """
 
 from __future__ import annotations
@@ -133,50 +137,72 @@ def score(base: Path, adapter: Path, tokens: Path, variant: str) -> dict:
         return json.loads(out.read_text())
 
 
+FIXTURES = {  # the GPU host's served = trained fixtures: their folder, the merges to score, the records' tokens
+    "bf16": ("dsv3-bf16", ("BF16",), DATA / "tokens-bf16.json"),
+    "rawint4": ("kimi-k25-int4", ("BF16", "RAWINT4"),
+                REPO / "benchmarks" / "data" / "gpu-host-checks" / "tokens-rawint4.json"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fixture", choices=tuple(FIXTURES), default="bf16")
     parser.add_argument("--work", type=Path, default=REPO / "build" / "merge-rounding")
-    parser.add_argument("--tokens", type=Path, default=DATA / "tokens-bf16.json")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DATA / "merge-rounding.json")
     args = parser.parse_args(argv)
 
     from merged_serving import random_converted_adapter
 
+    from ktflow.stages.dequantize import dequantize_checkpoint
     from ktflow.stages.merge import merge_adapter
 
-    base = args.work / "inputs" / "dsv3-bf16"
-    if not (base / "config.json").is_file():
-        # the fixtures come from ktflow's own environment (their Kimi INT4 sibling needs compressed-tensors)
+    folder, methods, tokens = FIXTURES[args.fixture]
+    source = args.work / "inputs" / folder
+    if not (source / "config.json").is_file():
+        # the fixtures come from ktflow's own environment (the Kimi INT4 one needs compressed-tensors)
         subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "gpu_host" / "make_inputs.py"),
                         str(args.work / "inputs")], check=True, capture_output=True)
-    start = random_converted_adapter(base, args.work / "start", seed=args.seed)
-    trained = args.work / f"trained-{args.steps}"
+    work = args.work / args.fixture
+    # what the reference and training read: the BF16 weights (a Kimi INT4 source decoded exactly, as the GPU host's
+    # reference for its LoRA path does)
+    base = source if args.fixture == "bf16" else work / "bf16-base"
+    if not (base / "config.json").is_file():
+        dequantize_checkpoint(source, base, fsync=False)
+    start = random_converted_adapter(source, work / "start", seed=args.seed)
+    trained = work / f"trained-{args.steps}"
     losses = None
     if not (trained / "adapter_model.safetensors").is_file():
-        losses = train_memorizing_adapter(base, start, args.tokens, trained, steps=args.steps, lr=args.lr,
-                                          seed=args.seed)
-    merged = args.work / f"merged-bf16-{args.steps}"
-    if not (merged / "config.json").is_file():
-        merge_adapter(base, trained, merged, method="BF16")
-    reference = score(base, trained, args.tokens, "full")
-    no_experts = score(base, trained, args.tokens, "no-experts")
-    of_merged = score(merged, trained, args.tokens, "base")
-    difference = of_merged["loss"] - reference["loss"]
-    doc = {"fixture": "tiny BF16 DeepSeek-V3 (gpu_host/make_inputs.py dsv3-bf16)", "tokens": str(args.tokens.name),
+        losses = train_memorizing_adapter(base, start, tokens, trained, steps=args.steps, lr=args.lr, seed=args.seed)
+    reference = score(base, trained, tokens, "full")
+    no_experts = score(base, trained, tokens, "no-experts")
+    merges = {}
+    for method in methods:
+        merged = work / f"merged-{method.lower()}-{args.steps}"
+        if not (merged / "config.json").is_file():
+            merge_adapter(source, trained, merged, method=method, fsync=False)
+        scored = merged
+        if method == "RAWINT4":  # scored as the BF16 its INT4 decodes to, exactly
+            scored = work / f"merged-{method.lower()}-{args.steps}-bf16"
+            if not (scored / "config.json").is_file():
+                dequantize_checkpoint(merged, scored, fsync=False)
+        loss = score(scored, trained, tokens, "base")["loss"]
+        merges[method] = {"loss": loss, "difference": loss - reference["loss"],
+                          "relative": (loss - reference["loss"]) / reference["loss"]}
+    doc = {"fixture": f"{folder} (gpu_host/make_inputs.py)", "tokens": str(tokens.relative_to(REPO)),
            "records": reference["records"], "label_tokens": reference["label_tokens"], "steps": args.steps,
            "lr": args.lr, "seed": args.seed, "training_loss_first_last": [losses[0], losses[-1]] if losses else None,
            "reference_loss": reference["loss"], "reference_without_expert_lora": no_experts["loss"],
-           "merged_bf16_loss_fp32": of_merged["loss"], "difference": difference,
-           "relative": difference / reference["loss"]}
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"reference (base + adapter, float32): {reference['loss']:.6f}   without its expert LoRA: "
+           "merged_scored_in_float32": merges}
+    out = DATA / f"merge-rounding-{args.fixture}.json"
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"{folder}: reference (base + adapter, float32) {reference['loss']:.6f}; without its expert LoRA "
           f"{no_experts['loss']:.4f}")
-    print(f"merged BF16 weights, scored in float32: {of_merged['loss']:.6f}   difference {difference:+.6f} "
-          f"({difference / reference['loss']:+.2%})")
-    print(f"wrote {args.out}")
+    for method, got in merges.items():
+        print(f"  merged {method}, scored in float32: {got['loss']:.6f}   difference {got['difference']:+.6f} "
+              f"({got['relative']:+.2%})")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1001,8 +1001,8 @@ def phase_check(work: MergedWork) -> int:
         served = (got.get("served_loss") or {}).get("loss")
         got["difference"] = served - ref if served is not None else None
         got["within_exact_tolerance"] = abs(served - ref) <= EXACT_TOLERANCE if served is not None else None
-        if method == "BF16" and served is not None:
-            got["merged_weights_fp32"] = merged_weights_loss(got, adapter, tokens, ref)
+        if method in ("BF16", "RAWINT4") and served is not None:  # formats loss_check.py reads (kt-kernel's: no)
+            got["merged_weights_fp32"] = merged_weights_loss(work, got, adapter, tokens, ref)
         doc[label] = got
         status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
         path.write_text(json.dumps(doc, indent=1, default=str))
@@ -1013,16 +1013,25 @@ def phase_check(work: MergedWork) -> int:
     return status | (0 if table["bf16_within_tolerance"] is not False else 1)
 
 
-def merged_weights_loss(got: dict[str, Any], adapter: Path, tokens: Path, reference: float) -> dict[str, Any]:
-    """The merged BF16 checkpoint scored by loss_check.py in float32 (as the reference, with no adapter on top), so
-    a merged BF16 server's difference from the reference splits in two: the weights' rounding to BF16 (this score
-    less the reference) and the server's BF16 computation (the served loss less this score)."""
+def merged_weights_loss(work: MergedWork, got: dict[str, Any], adapter: Path, tokens: Path,
+                        reference: float) -> dict[str, Any]:
+    """A merged checkpoint scored by loss_check.py in float32 (as the reference, with no adapter on top), so a merged
+    server's difference from the reference splits in two: the merge's rounding to its format (this score less the
+    reference) and the server's computation (the served loss less this score). BF16 is scored as written; RAWINT4
+    as the BF16 its INT4 decodes to exactly (ktflow dequantize, the reference's own decoding of the base)."""
     merged = (got.get("endpoint") or {}).get("merged_dir")
     if not merged:
         return {"error": "the server's record names no merged folder"}
     with tempfile.TemporaryDirectory() as tmp:
+        scored = merged
+        if got.get("kt_method") == "RAWINT4":
+            scored = str(Path(tmp) / "bf16")
+            done = subprocess.run([str(work.ktflow_python), "-m", "ktflow.cli", "dequantize", merged, scored,
+                                   "--no-fsync"], capture_output=True, text=True)
+            if done.returncode != 0:
+                return {"error": f"ktflow dequantize exited {done.returncode}: {done.stderr.strip()[-300:]}"}
         out = Path(tmp) / "loss.json"
-        done = subprocess.run([REFERENCE_PYTHON, str(REPO / "gpu_host" / "loss_check.py"), "loss", merged,
+        done = subprocess.run([REFERENCE_PYTHON, str(REPO / "gpu_host" / "loss_check.py"), "loss", scored,
                                str(adapter), str(tokens), "--variant", "base", "--json", str(out)],
                               capture_output=True, text=True)
         if done.returncode != 0 or not out.is_file():

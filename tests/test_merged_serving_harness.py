@@ -389,3 +389,27 @@ def test_a_check_step_runs_the_servers_only_names_and_refuses_one_the_fixture_ha
                                                                         ("merged-AMXINT4", "AMXINT4")]
     with pytest.raises(SystemExit, match=r"merged-RAWINT4.*not servers of the bf16 check"):
         ms.check_variants("bf16", "merged-RAWINT4")
+
+
+def test_a_merged_rawint4_checkpoint_is_scored_as_the_bf16_it_decodes_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixture_dir) -> None:
+    """The check's float32 score of a merged RAWINT4 server's weights: ktflow's merge and dequantize, then
+    loss_check.py's base variant, all real on the CPU; the served difference split into the merge's rounding and
+    the server's computation."""
+    from ktflow.stages.merge import merge_adapter
+
+    base = fixture_dir("kimi-k2.5")
+    adapter = ms.random_converted_adapter(base, tmp_path / "adapter")
+    merged = tmp_path / "merged"
+    merge_adapter(base, adapter, merged, method="RAWINT4", fsync=False)
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, 3, 4, 5, 6]}] * 2))
+    monkeypatch.setattr(ms, "REFERENCE_PYTHON", sys.executable)
+    work = _work(tmp_path, monkeypatch)
+    got = {"endpoint": {"merged_dir": str(merged)}, "kt_method": "RAWINT4", "served_loss": {"loss": 7.0}}
+    fp32 = ms.merged_weights_loss(work, got, adapter, tokens, reference=6.0)
+    assert "error" not in fp32, fp32
+    assert math.isfinite(fp32["loss"]) and fp32["rounding"] == pytest.approx(fp32["loss"] - 6.0)
+    assert fp32["server"] == pytest.approx(7.0 - fp32["loss"])
+    broken = {**got, "endpoint": {"merged_dir": str(tmp_path / "missing")}}
+    assert "dequantize exited" in ms.merged_weights_loss(work, broken, adapter, tokens, reference=6.0)["error"]
