@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,11 +35,15 @@ DATA = REPO / "benchmarks" / "data" / "merged-serving" / "h200-formats-and-lever
 sys.path[:0] = [str(REPO), str(REPO / "gpu_host")]  # ktflow and the harness, from this checkout
 
 
+TRAINING_RECORD = "training.json"  # beside the trained adapter: its settings and losses
+
+
 def train_memorizing_adapter(base: Path, start: Path, tokens: Path, out: Path, *, steps: int, lr: float,
                              seed: int) -> list[float]:
-    """Train ``start``'s LoRA (attention through PEFT, experts as a parametrized update of the fused expert weights)
-    in float32 on every record, one full batch a step; write the result to ``out`` in ``start``'s layout and dtypes.
-    Returns the loss before each step."""
+    """Train a LoRA of ``start``'s shape (attention through PEFT, from ``start``'s values; experts as a parametrized
+    update of the fused expert weights, from ``start``'s A and a zero B) in float32 on every record, one full batch
+    a step; write it to ``out`` (published whole) in ``start``'s layout and dtypes. Returns the loss before each step
+    and, last, after the last one."""
     import loss_check
     import torch
     import torch.nn.utils.parametrize as parametrize
@@ -110,6 +115,15 @@ def train_memorizing_adapter(base: Path, start: Path, tokens: Path, out: Path, *
                 p.grad /= label_tokens
         optimizer.step()
         losses.append(total / label_tokens)
+    with torch.no_grad():  # after the last step, as trained (float32; the adapter below stores experts in BF16)
+        total, label_tokens = 0.0, 0
+        for record in records:
+            logits = model(input_ids=torch.tensor([record["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(record["labels"][1:])
+            mask = labels != -100
+            total += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
+            label_tokens += int(mask.sum())
+    losses.append(total / label_tokens)
     state = get_peft_model_state_dict(model)
     trained = {}
     for key, value in tensors.items():
@@ -120,11 +134,15 @@ def train_memorizing_adapter(base: Path, start: Path, tokens: Path, out: Path, *
         else:
             got = state[f"base_model.model.{loss_check._strip(key)}"]
         trained[key] = got.detach().to(value.dtype).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(trained, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(trained, staging / "adapter_model.safetensors", metadata={"format": "pt"})
+    (staging / TRAINING_RECORD).write_text(json.dumps({"steps": steps, "lr": lr, "seed": seed, "losses": losses}))
     for path in start.iterdir():
-        if path.name != "adapter_model.safetensors":
-            (out / path.name).write_bytes(path.read_bytes())
+        if path.name not in ("adapter_model.safetensors", TRAINING_RECORD):
+            (staging / path.name).write_bytes(path.read_bytes())
+    staging.rename(out)
     return losses
 
 
@@ -132,8 +150,11 @@ def score(base: Path, adapter: Path, tokens: Path, variant: str) -> dict:
     """``loss_check.py loss`` in this interpreter (float32, transformers + PEFT)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "loss.json"
-        subprocess.run([sys.executable, str(REPO / "gpu_host" / "loss_check.py"), "loss", str(base), str(adapter),
-                        str(tokens), "--variant", variant, "--json", str(out)], check=True, capture_output=True)
+        done = subprocess.run([sys.executable, str(REPO / "gpu_host" / "loss_check.py"), "loss", str(base),
+                               str(adapter), str(tokens), "--variant", variant, "--json", str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"loss_check.py {variant} on {base} exited {done.returncode}: {done.stderr[-500:]}")
         return json.loads(out.read_text())
 
 
@@ -162,29 +183,33 @@ def main(argv: list[str] | None = None) -> int:
     source = args.work / "inputs" / folder
     if not (source / "config.json").is_file():
         # the fixtures come from ktflow's own environment (the Kimi INT4 one needs compressed-tensors)
-        subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "gpu_host" / "make_inputs.py"),
-                        str(args.work / "inputs")], check=True, capture_output=True)
+        done = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "gpu_host" / "make_inputs.py"),
+                               str(args.work / "inputs")], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"gpu_host/make_inputs.py exited {done.returncode} (run `make env` first): "
+                             f"{done.stderr[-500:]}")
     work = args.work / args.fixture
     # what the reference and training read: the BF16 weights (a Kimi INT4 source decoded exactly, as the GPU host's
     # reference for its LoRA path does)
     base = source if args.fixture == "bf16" else work / "bf16-base"
     if not (base / "config.json").is_file():
         dequantize_checkpoint(source, base, fsync=False)
-    start = random_converted_adapter(source, work / "start", seed=args.seed)
-    trained = work / f"trained-{args.steps}"
-    losses = None
+    start = random_converted_adapter(source, work / f"start-seed{args.seed}", seed=args.seed)
+    run = f"{args.steps}-lr{args.lr:g}-seed{args.seed}"  # what each cached folder was made with
+    trained = work / f"trained-{run}"
     if not (trained / "adapter_model.safetensors").is_file():
-        losses = train_memorizing_adapter(base, start, tokens, trained, steps=args.steps, lr=args.lr, seed=args.seed)
+        train_memorizing_adapter(base, start, tokens, trained, steps=args.steps, lr=args.lr, seed=args.seed)
+    losses = json.loads((trained / TRAINING_RECORD).read_text())["losses"]
     reference = score(base, trained, tokens, "full")
     no_experts = score(base, trained, tokens, "no-experts")
     merges = {}
     for method in methods:
-        merged = work / f"merged-{method.lower()}-{args.steps}"
+        merged = work / f"merged-{method.lower()}-{run}"
         if not (merged / "config.json").is_file():
             merge_adapter(source, trained, merged, method=method, fsync=False)
         scored = merged
         if method == "RAWINT4":  # scored as the BF16 its INT4 decodes to, exactly
-            scored = work / f"merged-{method.lower()}-{args.steps}-bf16"
+            scored = work / f"merged-{method.lower()}-{run}-bf16"
             if not (scored / "config.json").is_file():
                 dequantize_checkpoint(merged, scored, fsync=False)
         loss = score(scored, trained, tokens, "base")["loss"]
@@ -192,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                           "relative": (loss - reference["loss"]) / reference["loss"]}
     doc = {"fixture": f"{folder} (gpu_host/make_inputs.py)", "tokens": str(tokens.relative_to(REPO)),
            "records": reference["records"], "label_tokens": reference["label_tokens"], "steps": args.steps,
-           "lr": args.lr, "seed": args.seed, "training_loss_first_last": [losses[0], losses[-1]] if losses else None,
+           "lr": args.lr, "seed": args.seed,
+           "training_loss_first_and_after": [losses[0], losses[-1]],
            "reference_loss": reference["loss"], "reference_without_expert_lora": no_experts["loss"],
            "merged_scored_in_float32": merges}
     out = DATA / f"merge-rounding-{args.fixture}.json"

@@ -39,8 +39,10 @@ Disk: the fixture's vision part is a stand-in sglang-kt cannot build, so every s
 language-model view the size of the checkpoint (ktflow/stages/serve/sglang/inputs.py). The base is kept (the LoRA
 path, the base server and every merge read it): the merged server's start holds the base, the merge and its view,
 ~3x the base (depth 1: 15.6 GB a copy, 2: 25.4, 3: 35.2). ``fixture`` picks the deepest of 3, 2, 1 that fits the
-free disk (64 GiB host: depth 1; 235 GiB host: depth 3); the serving phases remove other models' views and other
-merges (both made again in seconds to a minute) before a start that would not fit, never the base.
+free disk (64 GiB host: depth 1; 235 GiB host: depth 3). With ``VIEW_ROOT`` on another filesystem (a tmpfs) the
+views go there and the disk holds the base and its merge (64 GiB disk: depth 2); the choice is kept in depth.json
+for the later steps. The serving phases remove other models' views and other merges (both made again in seconds
+to a minute) where room is short before a start that would not fit, never the base.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ LEVER_ARGS = "--concurrency 1 --max-tokens 256 --requests-per-level 3"
 SERVED_LOSS_RECORDS = 16  # the slice's training records whose served loss each load server reports
 START_S = {1: 85.0, 2: 90.0, 3: 100.0}  # a warm server start by depth (docstring), for the phases' time budget
 LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwidth and stop
-# A tiny fixture's server in the check: ready in 75-160 s on the H200 + 16-core host (the first after serve-setup the
-# slowest), then ~5 s to score; a server started with less than this left is killed before it scores (seen: 90 s).
-CHECK_SERVER_S = 120.0
+# A tiny fixture's server in the check: ready in 73-158 s on the H200 + 16-core host (the first after serve-setup the
+# slowest), then ~5 s to score and its merged weights' float32 score; a server started with less than this left is
+# likely killed before it scores (seen with 90 s): the step is run again for it instead.
+CHECK_SERVER_S = 150.0
 # loss_check.py's reference runs in the host's own python (transformers + PEFT, nothing of the KT stack): run.sh's
 # losscheck steps call it as python3 too.
 REFERENCE_PYTHON = os.environ.get("KTFLOW_REFERENCE_PYTHON", "python3")
@@ -146,12 +149,21 @@ class MergedWork(kimi_slice.SliceWork):
     @property
     def endpoints(self) -> Path:
         """The served checkpoints' record directories (their model views): VIEW_ROOT's, else beside the slice."""
-        where = os.environ.get(VIEW_ROOT_ENV)
-        return Path(where) / f"moe{self.moe_layers}" if where else self.root / "endpoints"
+        where = view_root()
+        return where / f"moe{self.moe_layers}" if where else self.root / "endpoints"
 
     def endpoint(self, key: str) -> Path:
         """One record directory per served checkpoint: its model view is made once and reused by every server."""
         return self.endpoints / key
+
+
+def view_root() -> Path | None:
+    """VIEW_ROOT as set, else as the fixture step recorded it in depth.json (every later step keeps its views there)."""
+    if os.environ.get(VIEW_ROOT_ENV):
+        return Path(os.environ[VIEW_ROOT_ENV])
+    path = ROOT / "depth.json"
+    recorded = json.loads(path.read_text()).get("view_root") if path.is_file() else None
+    return Path(recorded) if recorded else None
 
 
 def read_depth() -> int | None:
@@ -173,11 +185,21 @@ def choose_depth(free_gb: float, view_free_gb: float | None = None) -> int | Non
                  and 2 * slice_gb(d) + MARGIN_GB <= view_free_gb), None)
 
 
-def views_elsewhere(work: MergedWork) -> bool:
+def views_elsewhere() -> bool:
     """Whether the model views live on another filesystem than the slice (VIEW_ROOT on a tmpfs, say)."""
-    work.endpoints.mkdir(parents=True, exist_ok=True)
-    ROOT.mkdir(parents=True, exist_ok=True)
-    return work.endpoints.stat().st_dev != ROOT.stat().st_dev
+    where = view_root()
+    return where is not None and _device(where) != _device(ROOT)
+
+
+def _device(path: Path) -> int | None:
+    """The filesystem holding ``path`` (its nearest existing folder's), or None where none can be read."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return probe.stat().st_dev
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------- disk
@@ -194,9 +216,9 @@ def make_room(work: MergedWork, need_bytes: int, keep: set[Path], on: Path | Non
     def short() -> float:
         return need_bytes / 1e9 + MARGIN_GB - free_disk_gb(on)
 
-    device = on.stat().st_dev
+    device = _device(on)
     candidates = [p for p in sorted(work.endpoints.glob("*/model-view-*")) + sorted((work.sft_store / "merged").glob("*"))
-                  if p.stat().st_dev == device]
+                  if _device(p) == device]  # a path gone since the glob reads as another device: skipped
     for path in candidates:
         if short() <= 0:
             break
@@ -204,7 +226,7 @@ def make_room(work: MergedWork, need_bytes: int, keep: set[Path], on: Path | Non
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
-    return {"need_gb": round(need_bytes / 1e9, 1), "free_gb": free_disk_gb(work.root), "removed": removed,
+    return {"need_gb": round(need_bytes / 1e9, 1), "free_gb": free_disk_gb(on), "removed": removed,
             "fits": short() <= 0}
 
 
@@ -225,7 +247,7 @@ def phase_fixture(work: MergedWork) -> int:
     """The slice at the depth the disk allows (kept in depth.json for the later phases), and the records."""
     if not work.depth_known:
         free = free_disk_gb(ROOT)
-        view_free = free_disk_gb(work.endpoints) if views_elsewhere(work) else None
+        view_free = free_disk_gb(view_root()) if views_elsewhere() else None
         depth = choose_depth(free, view_free)
         if depth is None:
             copies = 3 if view_free is None else 2
@@ -234,8 +256,9 @@ def phase_fixture(work: MergedWork) -> int:
             return 1
         work = MergedWork(argparse.Namespace(**{**vars(work.args), "moe_layers": depth}))
     ROOT.mkdir(parents=True, exist_ok=True)
+    where = view_root()
     (ROOT / "depth.json").write_text(json.dumps({"moe_layers": work.moe_layers, "chosen_with_free_gb":
-                                                 free_disk_gb(ROOT)}))
+                                                 free_disk_gb(ROOT), "view_root": str(where) if where else None}))
     return kimi_slice.phase_fixture(work)
 
 
@@ -866,6 +889,19 @@ def phase_levers(work: MergedWork) -> int:
 # --------------------------------------------------------------------------- item 5: side by side
 
 
+LOAD_SERVERS = ("lora", "merged", "base")
+
+
+def load_servers(only: str | None) -> list[str]:
+    """The servers a load step runs, in this order: all of LOAD_SERVERS, or those ``only`` names."""
+    if not only:
+        return list(LOAD_SERVERS)
+    unknown = sorted(set(only.split(",")) - set(LOAD_SERVERS))
+    if unknown:
+        raise SystemExit(f"load --only: {unknown} are not servers of the load step; use some of {list(LOAD_SERVERS)}")
+    return only.split(",")
+
+
 def phase_load(work: MergedWork) -> int:
     """Item 5: the LoRA path as today, the merged model with the chosen settings (levers-chosen.json, else
     MERGED_SETS), the base model with the same settings: each served, its served loss over the first training
@@ -879,7 +915,8 @@ def phase_load(work: MergedWork) -> int:
     doc["chosen"] = chosen
     tokens = served_tokens(work)
     status = 0
-    for what in (work.args.only or "lora,merged,base").split(","):
+    doc.pop("skipped", None)  # what this run leaves says itself below
+    for what in load_servers(work.args.only):
         if doc.get(what, {}).get("ok") and not work.args.again:
             continue
         extra = [] if what == "lora" else list(chosen["sets"])
@@ -1001,11 +1038,14 @@ def phase_check(work: MergedWork) -> int:
         served = (got.get("served_loss") or {}).get("loss")
         got["difference"] = served - ref if served is not None else None
         got["within_exact_tolerance"] = abs(served - ref) <= EXACT_TOLERANCE if served is not None else None
-        if method in ("BF16", "RAWINT4") and served is not None:  # formats loss_check.py reads (kt-kernel's: no)
-            got["merged_weights_fp32"] = merged_weights_loss(work, got, adapter, tokens, ref)
         doc[label] = got
         status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
-        path.write_text(json.dumps(doc, indent=1, default=str))
+        path.write_text(json.dumps(doc, indent=1, default=str))  # the server's measurement kept before the score
+        if method in ("BF16", "RAWINT4") and served is not None:  # formats loss_check.py reads (kt-kernel's: no)
+            left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
+            got["merged_weights_fp32"] = merged_weights_loss(work, got, method, adapter, tokens, ref,
+                                                             timeout_s=max(left, 10.0))
+            path.write_text(json.dumps(doc, indent=1, default=str))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, default=str))
     table = check_table(name, doc)
@@ -1013,29 +1053,38 @@ def phase_check(work: MergedWork) -> int:
     return status | (0 if table["bf16_within_tolerance"] is not False else 1)
 
 
-def merged_weights_loss(work: MergedWork, got: dict[str, Any], adapter: Path, tokens: Path,
-                        reference: float) -> dict[str, Any]:
+def merged_weights_loss(work: MergedWork, got: dict[str, Any], method: str, adapter: Path, tokens: Path,
+                        reference: float, *, timeout_s: float = 300.0) -> dict[str, Any]:
     """A merged checkpoint scored by loss_check.py in float32 (as the reference, with no adapter on top), so a merged
     server's difference from the reference splits in two: the merge's rounding to its format (this score less the
     reference) and the server's computation (the served loss less this score). BF16 is scored as written; RAWINT4
-    as the BF16 its INT4 decodes to exactly (ktflow dequantize, the reference's own decoding of the base)."""
+    as the BF16 its INT4 decodes to exactly (ktflow dequantize, the reference's own decoding of the base). Within
+    ``timeout_s`` (the step's time left), else an error entry."""
     merged = (got.get("endpoint") or {}).get("merged_dir")
     if not merged:
         return {"error": "the server's record names no merged folder"}
+    deadline = time.monotonic() + timeout_s
+
+    def run(argv: list[str], what: str) -> str | None:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=work.env(), cwd=REPO,
+                                  timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            return f"{what} did not finish in the step's time left ({timeout_s:.0f} s)"
+        return None if done.returncode == 0 else f"{what} exited {done.returncode}: {done.stderr.strip()[-300:]}"
+
     with tempfile.TemporaryDirectory() as tmp:
         scored = merged
-        if got.get("kt_method") == "RAWINT4":
+        if method == "RAWINT4":
             scored = str(Path(tmp) / "bf16")
-            done = subprocess.run([str(work.ktflow_python), "-m", "ktflow.cli", "dequantize", merged, scored,
-                                   "--no-fsync"], capture_output=True, text=True)
-            if done.returncode != 0:
-                return {"error": f"ktflow dequantize exited {done.returncode}: {done.stderr.strip()[-300:]}"}
+            error = run(work.ktflow("dequantize", merged, scored, "--no-fsync"), "ktflow dequantize")
+            if error:
+                return {"error": error}
         out = Path(tmp) / "loss.json"
-        done = subprocess.run([REFERENCE_PYTHON, str(REPO / "gpu_host" / "loss_check.py"), "loss", scored,
-                               str(adapter), str(tokens), "--variant", "base", "--json", str(out)],
-                              capture_output=True, text=True)
-        if done.returncode != 0 or not out.is_file():
-            return {"error": f"loss_check.py exited {done.returncode}: {done.stderr.strip()[-300:]}"}
+        error = run([REFERENCE_PYTHON, str(REPO / "gpu_host" / "loss_check.py"), "loss", scored, str(adapter),
+                     str(tokens), "--variant", "base", "--json", str(out)], "loss_check.py")
+        if error or not out.is_file():
+            return {"error": error or "loss_check.py wrote no result"}
         loss = json.loads(out.read_text())["loss"]
     served = got["served_loss"]["loss"]
     return {"loss": loss, "rounding": loss - reference, "server": served - loss}

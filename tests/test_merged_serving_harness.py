@@ -357,7 +357,7 @@ def test_views_in_ram_leave_the_disk_to_the_base_and_its_merge(tmp_path: Path, m
     try:
         monkeypatch.setenv(ms.VIEW_ROOT_ENV, str(views))
         work = _work(tmp_path, monkeypatch)
-        assert work.endpoint("base") == views / f"moe{work.moe_layers}" / "base" and ms.views_elsewhere(work)
+        assert work.endpoint("base") == views / f"moe{work.moe_layers}" / "base" and ms.views_elsewhere()
         for d in ("base/model-view-a", "merged-RAWINT4/model-view-b"):
             (work.endpoints / d).mkdir(parents=True)
         (work.sft_store / "merged" / "x").mkdir(parents=True)
@@ -381,6 +381,12 @@ def test_gpu_experts_wait_for_the_marlin_kernel_build(tmp_path: Path, monkeypatc
     assert ms.marlin_built()
 
 
+def test_a_load_step_runs_the_servers_only_names_and_refuses_a_typo() -> None:
+    assert ms.load_servers(None) == ["lora", "merged", "base"] and ms.load_servers("base,lora") == ["base", "lora"]
+    with pytest.raises(SystemExit, match=r"\['bsae'\] are not servers of the load step"):
+        ms.load_servers("bsae")
+
+
 def test_a_check_step_runs_the_servers_only_names_and_refuses_one_the_fixture_has_not() -> None:
     """`ONLY=merged-BF16,merged-AMXINT8 run.sh merged-check-bf16` skips a LoRA path measured before; a label of
     another fixture (or a typo) stops the step before any server starts, naming the labels it knows."""
@@ -396,6 +402,7 @@ def test_a_merged_rawint4_checkpoint_is_scored_as_the_bf16_it_decodes_to(
     """The check's float32 score of a merged RAWINT4 server's weights: ktflow's merge and dequantize, then
     loss_check.py's base variant, all real on the CPU; the served difference split into the merge's rounding and
     the server's computation."""
+    from ktflow.stages.dequantize import dequantize_checkpoint
     from ktflow.stages.merge import merge_adapter
 
     base = fixture_dir("kimi-k2.5")
@@ -406,10 +413,17 @@ def test_a_merged_rawint4_checkpoint_is_scored_as_the_bf16_it_decodes_to(
     tokens.write_text(json.dumps([{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, 3, 4, 5, 6]}] * 2))
     monkeypatch.setattr(ms, "REFERENCE_PYTHON", sys.executable)
     work = _work(tmp_path, monkeypatch)
-    got = {"endpoint": {"merged_dir": str(merged)}, "kt_method": "RAWINT4", "served_loss": {"loss": 7.0}}
-    fp32 = ms.merged_weights_loss(work, got, adapter, tokens, reference=6.0)
+    got = {"endpoint": {"merged_dir": str(merged)}, "served_loss": {"loss": 7.0}}
+    fp32 = ms.merged_weights_loss(work, got, "RAWINT4", adapter, tokens, reference=6.0)
     assert "error" not in fp32, fp32
     assert math.isfinite(fp32["loss"]) and fp32["rounding"] == pytest.approx(fp32["loss"] - 6.0)
     assert fp32["server"] == pytest.approx(7.0 - fp32["loss"])
+    # the merged weights were scored, not the base's: the same scoring of the base (its exact BF16) differs
+    plain = tmp_path / "base-bf16"
+    dequantize_checkpoint(base, plain, fsync=False)
+    base_got = {**got, "endpoint": {"merged_dir": str(plain)}}
+    assert abs(ms.merged_weights_loss(work, base_got, "BF16", adapter, tokens, reference=6.0)["loss"]
+               - fp32["loss"]) > 1e-3
     broken = {**got, "endpoint": {"merged_dir": str(tmp_path / "missing")}}
-    assert "dequantize exited" in ms.merged_weights_loss(work, broken, adapter, tokens, reference=6.0)["error"]
+    assert "dequantize exited" in ms.merged_weights_loss(work, broken, "RAWINT4", adapter, tokens,
+                                                         reference=6.0)["error"]
