@@ -100,29 +100,29 @@ def train_memorizing_adapter(base: Path, start: Path, tokens: Path, out: Path, *
     trainable = [p for name, p in model.named_parameters() if "lora_" in name] + [p for ab in lora.values() for p in ab]
     optimizer = torch.optim.Adam(trainable, lr=lr)
     losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
+    def pass_over_records(train: bool) -> tuple[float, int]:
+        """The summed token loss over every record and its label tokens; with ``train``, the gradients too."""
         total, label_tokens = 0.0, 0
         for record in records:
             logits = model(input_ids=torch.tensor([record["input_ids"]])).logits[0, :-1]
             labels = torch.tensor(record["labels"][1:])
             mask = labels != -100
             loss = torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum")
-            loss.backward()
+            if train:
+                loss.backward()
             total, label_tokens = total + loss.item(), label_tokens + int(mask.sum())
+        return total, label_tokens
+
+    for _ in range(steps):
+        optimizer.zero_grad()
+        total, label_tokens = pass_over_records(train=True)
         for p in trainable:
             if p.grad is not None:
                 p.grad /= label_tokens
         optimizer.step()
         losses.append(total / label_tokens)
     with torch.no_grad():  # after the last step, as trained (float32; the adapter below stores experts in BF16)
-        total, label_tokens = 0.0, 0
-        for record in records:
-            logits = model(input_ids=torch.tensor([record["input_ids"]])).logits[0, :-1]
-            labels = torch.tensor(record["labels"][1:])
-            mask = labels != -100
-            total += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
-            label_tokens += int(mask.sum())
+        total, label_tokens = pass_over_records(train=False)
     losses.append(total / label_tokens)
     state = get_peft_model_state_dict(model)
     trained = {}

@@ -175,14 +175,19 @@ def slice_gb(depth: int) -> float:
     return FIXED_GB + LAYER_GB * depth
 
 
+def disk_need_gb(depth: int, views_elsewhere: bool) -> float:
+    """What the merged server's start holds on the slice's disk: the base, its RAWINT4 merge and, unless the views
+    live elsewhere, that merge's view (with the views elsewhere, their filesystem needs the same for the views of
+    the base and the merge)."""
+    return (2 if views_elsewhere else 3) * slice_gb(depth) + MARGIN_GB
+
+
 def choose_depth(free_gb: float, view_free_gb: float | None = None) -> int | None:
-    """The deepest slice whose merged server's start fits: the base, its RAWINT4 merge and that merge's view on the
-    disk, or, with the views elsewhere (``view_free_gb`` free there), the base and its merge on the disk and the
-    views of the base and the merge there."""
-    if view_free_gb is None:
-        return next((d for d in DEPTHS if 3 * slice_gb(d) + MARGIN_GB <= free_gb), None)
-    return next((d for d in DEPTHS if 2 * slice_gb(d) + MARGIN_GB <= free_gb
-                 and 2 * slice_gb(d) + MARGIN_GB <= view_free_gb), None)
+    """The deepest slice whose merged server's start fits the disk (``free_gb``) and, with the views elsewhere
+    (``view_free_gb`` free there), their filesystem too."""
+    elsewhere = view_free_gb is not None
+    return next((d for d in DEPTHS if disk_need_gb(d, elsewhere) <= free_gb
+                 and (not elsewhere or disk_need_gb(d, elsewhere) <= view_free_gb)), None)
 
 
 def views_elsewhere() -> bool:
@@ -250,9 +255,8 @@ def phase_fixture(work: MergedWork) -> int:
         view_free = free_disk_gb(view_root()) if views_elsewhere() else None
         depth = choose_depth(free, view_free)
         if depth is None:
-            copies = 3 if view_free is None else 2
             print(f"fixture: {free} GB free (views: {view_free if view_free is not None else 'on this disk'}); "
-                  f"even depth 1 needs {copies * slice_gb(1) + MARGIN_GB:.0f} GB")
+                  f"even depth 1 needs {disk_need_gb(1, view_free is not None):.0f} GB")
             return 1
         work = MergedWork(argparse.Namespace(**{**vars(work.args), "moe_layers": depth}))
     ROOT.mkdir(parents=True, exist_ok=True)
@@ -892,14 +896,21 @@ def phase_levers(work: MergedWork) -> int:
 LOAD_SERVERS = ("lora", "merged", "base")
 
 
+def only_servers(only: str | None, known: list[str], step: str, of: str) -> list[str]:
+    """``--only``'s comma-separated server names, in its order (None: ``known``); a name not in ``known`` (the
+    servers of ``of``) stops the ``step`` phase before any server starts, naming those it knows."""
+    if not only:
+        return list(known)
+    wanted = only.split(",")
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise SystemExit(f"{step} --only: {unknown} are not servers of {of}; use some of {known}")
+    return wanted
+
+
 def load_servers(only: str | None) -> list[str]:
     """The servers a load step runs, in this order: all of LOAD_SERVERS, or those ``only`` names."""
-    if not only:
-        return list(LOAD_SERVERS)
-    unknown = sorted(set(only.split(",")) - set(LOAD_SERVERS))
-    if unknown:
-        raise SystemExit(f"load --only: {unknown} are not servers of the load step; use some of {list(LOAD_SERVERS)}")
-    return only.split(",")
+    return only_servers(only, list(LOAD_SERVERS), "load", "the load step")
 
 
 def phase_load(work: MergedWork) -> int:
@@ -986,13 +997,7 @@ def check_variants(name: str, only: str | None) -> list[tuple[str, str | None]]:
     """The fixture's servers a check step runs: all of CHECK_VARIANTS[name], or those ``only`` names (comma-separated
     labels, e.g. ``merged-BF16,merged-AMXINT8`` to skip a LoRA path measured before)."""
     variants = CHECK_VARIANTS[name]
-    if not only:
-        return variants
-    wanted = only.split(",")
-    unknown = sorted(set(wanted) - {label for label, _ in variants})
-    if unknown:
-        raise SystemExit(f"check --only: {unknown} are not servers of the {name} check; "
-                         f"use some of {[label for label, _ in variants]}")
+    wanted = only_servers(only, [label for label, _ in variants], "check", f"the {name} check")
     return [(label, method) for label, method in variants if label in wanted]
 
 
