@@ -1,96 +1,97 @@
-"""Fit ktflow's serving decode model (CostModel.serve_decode_*) from measured runs, and check it on runs not used.
+"""Fit ktflow's serving decode model (CostModel.serve_decode_*) from measured runs, and check it on a run not used.
 
 One sequence's decode at concurrency 1 is modelled, a token, as
 
-    seconds = token_s[mode] + moe_layers * layer_s[mode] + floors * floor_s
+    seconds = token_s[mode] + floors[mode] * floor_s
 
 where ``floor_s`` is the time to read the routed experts one token activates, as stored, once at the read bandwidth
-measured on the host just before the server started. ``lora`` is KT's LoRA path (CUDA graphs forced off);
-``merged`` is a server without LoRA flags (merged weights, or the base model), CUDA graphs on.
+the plan models for the serving threads (``host_rate(kt_read_gb_s, threads)``, capped): the same figure for every
+run below, since they all ran at ktflow serve's default threads (14 on 16 cores) on machines of one kind. The
+per-run bandwidth measured before each server is not used: on one machine the server that decoded fastest had the
+lowest (depth 2: base 111.5 tokens/s at 87.6 GB/s, the LoRA path 65.3 at 107.2), so it adds noise, not signal.
+``lora`` is KT's LoRA path (CUDA graphs forced off); ``merged`` a server without LoRA flags (merged weights, or the
+base model), CUDA graphs on.
 
-- lora: three constants from three runs, solved exactly: the Kimi-K2.5 slice at 1 and 3 MoE layers (H100 + 16
-  cores) and the 7-MoE-layer bigger-than-GPU model's AMXINT8 run (4 x H200, 64 cores). Checked on the same model's
-  RAWINT4 run (not used).
-- merged: ``floors`` shared with lora (the same bytes are read), two constants from the merged slice at 1 MoE layer
-  and the base slice at 2 MoE layers with CUDA graphs on (an earlier run on another H100 + 16-core machine, whose
-  raw data was not kept: 43.5 tokens/s; its floor taken at this run's bytes per MoE layer and median bandwidth).
-  Checked on the base slice at 1 MoE layer (not used).
+- lora: the Kimi-K2.5 slice at 1 and 2 MoE layers (two H200 + 16-core machines), solved exactly. No LoRA-path run
+  at the default threads is left to check it.
+- merged: the merged and the base slice at 1 and 2 MoE layers on the same two machines, least squares over the
+  four. Checked on the merged slice at 1 MoE layer on a third machine (the levers' baseline), not used.
 
-    .venv/bin/python benchmarks/serve_decode_model.py    # prints the fit and the checks, writes decode-model.json
+    .venv/bin/python benchmarks/serve_decode_model.py    # prints the fit and the check, writes decode-model.json
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from ktflow.planning.costs import COSTS, SERVE_BYTES_PER_PARAM, host_rate
+
 DATA = Path(__file__).resolve().parent / "data"
-OUT = DATA / "merged-serving" / "decode-model.json"
-
-# The one input without raw data in the repository (see the module docstring).
-EARLIER_BASE_2_LAYERS_GRAPHS_ON = {"moe_layers": 2, "decode_tokens_per_s": 43.5,
-                                   "what": "Kimi-K2.5 slice, 2 MoE layers, base model, RAWINT4, CUDA graphs on, "
-                                           "concurrency 1, 128 tokens, ignore_eos; H100 + 16-core host"}
+SERVING = DATA / "merged-serving"
+OUT = SERVING / "decode-model.json"
+THREADS = 14  # ktflow serve's default on these 16-core hosts (the physical cores less 2); each run's argv says so
 
 
-def _point(path: Path, moe_layers: int, what: str) -> dict[str, float | str]:
+def _point(path: Path, what: str) -> dict[str, float | str]:
+    """A run's decode at concurrency 1 and its floor at the plan's modelled bandwidth for ``THREADS``."""
     doc = json.loads(path.read_text())
+    server = json.loads(path.with_name(path.name.replace("-load.json", ".json")).read_text())
+    argv = server["argv"]
+    threads = int(argv[argv.index("--kt-cpuinfer") + 1])
+    if threads != THREADS:
+        raise SystemExit(f"{path}: served with {threads} KT threads, not the default {THREADS} this fit is for")
     level = next(lv for lv in doc["levels"] if lv["concurrency"] == 1)
     floor = doc["floor"]
-    return {"what": what, "file": str(path.relative_to(DATA.parent.parent)), "moe_layers": moe_layers,
+    dims = doc["model_dims"]
+    active = (dims["moe_layers"] * dims["num_experts_per_tok"] * 3 * dims["hidden_size"]
+              * dims["moe_intermediate_size"] * SERVE_BYTES_PER_PARAM[floor["kt_method"]])
+    read = min(host_rate(COSTS.kt_read_gb_s, THREADS), COSTS.serve_read_gb_s_ceiling)
+    return {"what": what, "file": str(path.relative_to(DATA.parent.parent)), "moe_layers": dims["moe_layers"],
             "decode_tokens_per_s": level["decode_tokens_per_s_median"],
-            "token_ms": 1e3 / level["decode_tokens_per_s_median"],
-            "floor_ms": 1e3 / floor["floor_tokens_per_s"], "read_gb_s": floor["read_gb_s"]}
+            "token_ms": 1e3 / level["decode_tokens_per_s_median"], "floor_ms": active / (read * 1e9) * 1e3,
+            "read_gb_s_modelled": read, "read_gb_s_measured": floor["read_gb_s"]}
+
+
+def _fit(points: list[dict]) -> dict[str, float]:
+    """token_ms and floors by least squares (exact for two points)."""
+    a = np.array([[1.0, p["floor_ms"]] for p in points])
+    (token_ms, floors), *_ = np.linalg.lstsq(a, np.array([p["token_ms"] for p in points]), rcond=None)
+    return {"token_ms": float(token_ms), "floors": float(floors)}
 
 
 def _predict(fit: dict[str, float], point: dict) -> float:
-    return fit["token_ms"] + point["moe_layers"] * fit["layer_ms"] + fit["floors"] * point["floor_ms"]
+    return fit["token_ms"] + fit["floors"] * point["floor_ms"]
 
 
 def main() -> int:
-    served = DATA / "merged-serving" / "serving" / "servers"
-    lora = [_point(served / "load-lora-load.json", 1, "Kimi slice, 1 MoE layer, LoRA path, RAWINT4"),
-            _point(DATA / "kimi-slice" / "moe3" / "results" / "serve-load-RAWINT4.json", 3,
-                   "Kimi slice, 3 MoE layers, LoRA path, RAWINT4"),
-            _point(DATA / "bigger-than-gpu-served" / "serve-load-AMXINT8.json", 7,
-                   "bigger-than-GPU model, 7 MoE layers, LoRA path, AMXINT8")]
-    lora_check = _point(DATA / "bigger-than-gpu-served" / "serve-load-RAWINT4.json", 7,
-                        "bigger-than-GPU model, 7 MoE layers, LoRA path, RAWINT4")
-    a = np.array([[1.0, p["moe_layers"], p["floor_ms"]] for p in lora])
-    token_ms, layer_ms, floors = np.linalg.solve(a, np.array([p["token_ms"] for p in lora]))
-    lora_fit = {"token_ms": float(token_ms), "layer_ms": float(layer_ms), "floors": float(floors)}
-
-    merged = _point(served / "load-merged-load.json", 1, "Kimi slice, 1 MoE layer, merged RAWINT4, graphs on")
-    base_check = _point(served / "load-base-load.json", 1, "Kimi slice, 1 MoE layer, base model, graphs on")
-    # the earlier 2-layer run's floor: this run's routed-expert bytes a MoE layer, at this run's median bandwidth
-    bytes_per_layer = merged["read_gb_s"] * merged["floor_ms"] / 1e3  # GB a token at 1 MoE layer
-    bandwidth = statistics.median(p["read_gb_s"] for p in (merged, base_check, lora[0]))
-    earlier = {**EARLIER_BASE_2_LAYERS_GRAPHS_ON, "file": None,
-               "token_ms": 1e3 / EARLIER_BASE_2_LAYERS_GRAPHS_ON["decode_tokens_per_s"],
-               "floor_ms": 2 * bytes_per_layer / bandwidth * 1e3, "read_gb_s": bandwidth}
-    rest = [p["token_ms"] - floors * p["floor_ms"] for p in (merged, earlier)]
-    m_layer = rest[1] - rest[0]  # 2 layers minus 1
-    merged_fit = {"token_ms": rest[0] - m_layer, "layer_ms": m_layer, "floors": float(floors)}
-
-    checks = []
-    for name, fit, point in (("lora", lora_fit, lora_check), ("merged", merged_fit, base_check)):
-        predicted = _predict(fit, point)
-        checks.append({"mode": name, "run": point["what"], "file": point["file"], "measured_ms": point["token_ms"],
-                       "predicted_ms": predicted, "measured_over_predicted": point["token_ms"] / predicted})
-    doc = {"model": "seconds a token = token_s + moe_layers x layer_s + floors x floor_s",
-           "lora": {"fit": lora_fit, "runs": lora}, "merged": {"fit": merged_fit, "runs": [merged, earlier]},
-           "checks_not_used_to_fit": checks}
+    one, two = SERVING / "side-by-side" / "servers", SERVING / "h200-depth2" / "servers"
+    lora = [_point(one / "load-lora-load.json", "Kimi slice, 1 MoE layer, LoRA path (H200 machine A)"),
+            _point(two / "load-lora-load.json", "Kimi slice, 2 MoE layers, LoRA path (H200 machine C)")]
+    merged = [_point(one / "load-merged-load.json", "Kimi slice, 1 MoE layer, merged (machine A)"),
+              _point(one / "load-base-load.json", "Kimi slice, 1 MoE layer, base model (machine A)"),
+              _point(two / "load-merged-load.json", "Kimi slice, 2 MoE layers, merged (machine C)"),
+              _point(two / "load-base-load.json", "Kimi slice, 2 MoE layers, base model (machine C)")]
+    check = _point(SERVING / "h200-formats-and-levers" / "servers" / "lever-engine-baseline-load.json",
+                   "Kimi slice, 1 MoE layer, merged, the levers' baseline (machine B; 3 x 256 tokens)")
+    fits = {"lora": _fit(lora), "merged": _fit(merged)}
+    predicted = _predict(fits["merged"], check)
+    checks = [{"mode": "merged", "run": check["what"], "file": check["file"], "measured_ms": check["token_ms"],
+               "predicted_ms": predicted, "measured_over_predicted": check["token_ms"] / predicted}]
+    doc = {"model": "seconds a token = token_s[mode] + floors[mode] x floor_s (floor_s at the plan's modelled "
+                    f"read bandwidth for {THREADS} threads)",
+           "threads": THREADS, "lora": {"fit": fits["lora"], "runs": lora},
+           "merged": {"fit": fits["merged"], "runs": merged}, "checks_not_used_to_fit": checks,
+           "not_checked": "lora: no LoRA-path run at the default threads is left out of its fit"}
     OUT.write_text(json.dumps(doc, indent=1) + "\n")
-    for mode in ("lora", "merged"):
-        fit = doc[mode]["fit"]
-        print(f"{mode:7s} token {fit['token_ms']:.2f} ms + layer {fit['layer_ms']:.2f} ms + {fit['floors']:.3f} floors")
-    for check in checks:
-        print(f"check {check['mode']:7s} {check['run']}: measured {check['measured_ms']:.1f} ms, predicted "
-              f"{check['predicted_ms']:.1f} ms, measured/predicted {check['measured_over_predicted']:.3f}")
+    for mode, fit in fits.items():
+        print(f"{mode:7s} token {fit['token_ms']:.2f} ms + {fit['floors']:.3f} floors")
+    for c in checks:
+        print(f"check {c['mode']:7s} {c['run']}: measured {c['measured_ms']:.2f} ms, predicted "
+              f"{c['predicted_ms']:.2f} ms, measured/predicted {c['measured_over_predicted']:.3f}")
     print(f"wrote {OUT}")
     return 0
 

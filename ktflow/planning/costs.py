@@ -96,19 +96,17 @@ class CostModel(BaseModel):
     # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (benchmarks/data/multi-gpu).
     kt_multi_gpu_speed: float = 0.63
     # Serving (sglang-kt, KT CPU experts, triton attention): one sequence's decode at concurrency 1 costs, a token, a
-    # fixed time, a time per MoE layer (KT's per-layer hand-off, the layer's GPU kernels) and a multiple of its
-    # *decode floor* (the routed experts one token activates, as the method stores them, read once at the host's
-    # read bandwidth), by serving mode: "lora" (KT's LoRA path: CUDA graphs forced off, the experts' SFT kernel)
-    # and "merged" (the adapter merged into the weights, CUDA graphs on; the base model served the same way).
-    # benchmarks/serve_decode_model.py fits them (benchmarks/data/merged-serving/decode-model.json). lora, exactly:
-    # the Kimi-K2.5 slice at 1 and 3 MoE layers on H100 + 16-core hosts (22.3 and 43.7 ms) and the bigger-than-GPU
-    # model's AMXINT8 run on the 4 x H200 host (7 MoE layers, 101.0 ms); its RAWINT4 run (91.8 ms), not used,
-    # measured 1.07x the fit. merged: the floors' multiple shared with lora (the same bytes read), fitted on the
-    # merged slice at 1 MoE layer (14.7 ms) and the base slice at 2 MoE layers with CUDA graphs on (23.0 ms, an
-    # earlier run on another machine of the kind); the base slice at 1 MoE layer, not used, measured 1.03x the fit.
-    serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00987, "merged": 0.00649})
-    serve_decode_layer_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00818, "merged": 0.00381})
-    serve_decode_floors: float = 2.031
+    # fixed time and a multiple of its *decode floor* (the routed experts one token activates, as the method stores
+    # them, read once at the read bandwidth modelled for the serving threads), by serving mode: "lora" (KT's LoRA
+    # path: CUDA graphs forced off, the experts' SFT kernel) and "merged" (the adapter merged into the weights, CUDA
+    # graphs on; the base model served the same way). benchmarks/serve_decode_model.py fits them at ktflow serve's
+    # default threads (benchmarks/data/merged-serving/decode-model.json): the Kimi-K2.5 slice at 1 and 2 MoE layers
+    # on two H200 + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by
+    # least squares over the merged and base runs (5.4-6.2 and 9.0-11.3 ms); the merged slice on a third machine,
+    # not used, measured 0.91x the fit. Per MoE layer both modes cost about two floors; what merging removes is
+    # the fixed part (CUDA graphs, the LoRA kernels' launches).
+    serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00603, "merged": 0.00145})
+    serve_decode_floors: dict[str, float] = Field(default_factory=lambda: {"lora": 2.149, "merged": 2.006})
     # The highest read bandwidth measured on any host (GB/s; the 64-core host above): the power law of
     # kt_read_gb_s is not extended past it for serving (read bandwidth saturates; 98 / 144 / 138 GB/s at
     # 16 / 32 / 64 threads on that host).
@@ -148,7 +146,7 @@ class DecodeEstimate(BaseModel):
     read_gb_s: float  # the host's read bandwidth at the serving threads, as the plan models it
     threads: int
     floor_tokens_per_s: float  # reading those bytes once a token, nothing else
-    tokens_per_s: float  # a fixed and a per-MoE-layer cost + a multiple of the floor (CostModel's serve_decode_*)
+    tokens_per_s: float  # a fixed cost a token + a multiple of the floor, by mode (CostModel.serve_decode_*)
     basis: str
 
 
@@ -168,18 +166,16 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
     active = int(size.moe_layers * size.experts_per_token * per_expert * SERVE_BYTES_PER_PARAM[method])
     read = min(host_rate(costs.kt_read_gb_s, threads), costs.serve_read_gb_s_ceiling)
     floor = read * 1e9 / max(active, 1)
-    token_s, layer_s = costs.serve_decode_token_s[fit], costs.serve_decode_layer_s[fit]
-    seconds = token_s + size.moe_layers * layer_s + costs.serve_decode_floors / floor
+    token_s, floors = costs.serve_decode_token_s[fit], costs.serve_decode_floors[fit]
+    seconds = token_s + floors / floor
     rate = 1 / seconds
     how = ("KT's LoRA path, CUDA graphs off" if fit == "lora" else
            "no LoRA flags (merged weights or the base model), CUDA graphs on")
     basis = (f"decode at concurrency 1, {mode} ({how}): {active / 1e9:.2f} GB of routed experts a token ({method}) "
              f"read at {read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s "
-             f"predicted ({token_s * 1e3:.1f} ms + {size.moe_layers} MoE layers x {layer_s * 1e3:.1f} ms + "
-             f"{costs.serve_decode_floors:.2f} floors a token: fitted on Kimi-K2.5 slices of 1 to 3 MoE layers and "
-             "a 7-MoE-layer model, checked on one run each not used to fit, all with a KT thread on every core, "
-             "which serving no longer uses by default: 2 cores left free decoded a 1-MoE-layer slice 2.6x faster, "
-             "not yet refitted, so this is low; benchmarks/data/merged-serving/decode-model.json)")
+             f"predicted ({token_s * 1e3:.1f} ms + {floors:.2f} floors a token: fitted at the default serving threads "
+             "on Kimi-K2.5 slices of 1 and 2 MoE layers on 16-core hosts, the merged fit checked on one run not used "
+             "(0.91x); benchmarks/data/merged-serving/decode-model.json)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
                           floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
                           basis=basis)
