@@ -353,15 +353,24 @@ class Sampler:
 # --------------------------------------------------------------------------- requests
 
 
+COMPLETION_HEAD_CHARS = 300  # of each completion kept in its row: enough to see repetition, not the whole text
+
+
 def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int, timeout_s: float,
                 t0: float, ignore_eos: bool = False) -> dict[str, Any]:
     """One streaming chat completion; times relative to ``t0`` (``time.perf_counter``).
 
     ``ignore_eos``: SGLang's sampling parameter, so every request decodes exactly ``max_tokens`` (a tuned
-    model that answers in a few tokens would otherwise leave the decode rate resting on a handful of them)."""
+    model that answers in a few tokens would otherwise leave the decode rate resting on a handful of them).
+
+    The row keeps the completion's start and how many of its chunks differ: two servers of one geometry can decode
+    at different rates when one repeats itself (the same experts read token after token stay in the CPU's caches),
+    so a comparison of rates needs what each generated."""
     row: dict[str, Any] = {"t_send_s": time.perf_counter() - t0, "t_first_s": None, "t_end_s": None, "ttft_s": None,
                            "prompt_tokens": None, "completion_tokens": None, "usage_source": None,
-                           "content_chunks": 0, "finish_reason": None, "error": None}
+                           "content_chunks": 0, "distinct_chunks": 0, "completion_head": "", "finish_reason": None,
+                           "error": None}
+    chunks: list[str] = []
     sent = time.perf_counter()
     usage = None
     try:
@@ -377,8 +386,10 @@ def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tok
                 for choice in chunk.choices:
                     delta = choice.delta
                     # reasoning models stream their thinking as reasoning_content: tokens all the same
-                    if delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
+                    text = (delta.content or getattr(delta, "reasoning_content", None)) if delta is not None else None
+                    if text:
                         row["content_chunks"] += 1
+                        chunks.append(text)
                         if row["t_first_s"] is None:
                             row["t_first_s"], row["ttft_s"] = now - t0, now - sent
                     if choice.finish_reason:
@@ -388,6 +399,7 @@ def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tok
     except Exception as exc:  # any failure is a counted error, never the end of the level
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
     row["t_end_s"] = time.perf_counter() - t0
+    row.update(distinct_chunks=len(set(chunks)), completion_head="".join(chunks)[:COMPLETION_HEAD_CHARS])
     if row["error"] is None:
         if usage is not None and usage.completion_tokens is not None:
             row.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
@@ -425,6 +437,8 @@ def summarize_level(rows: list[dict[str, Any]], concurrency: int, wall_s: float)
               if r["t_first_s"] is not None and (r["completion_tokens"] or 0) >= 2 and r["t_end_s"] > r["t_first_s"]]
     completion = sum(r["completion_tokens"] or 0 for r in ok)
     errors = [r["error"] for r in rows if r["error"] is not None]
+    # the share of each completion's chunks that differ (1: no repeat; near 0: one token over and over)
+    distinct = [r["distinct_chunks"] / r["content_chunks"] for r in ok if r.get("content_chunks")]
     return {"concurrency": concurrency, "requests": len(rows), "ok": len(ok), "errors": len(errors),
             "error_samples": errors[:3], "wall_s": wall_s,
             "ttft_s": {"p50": percentile(ttfts, 50), "p95": percentile(ttfts, 95), "max": max(ttfts, default=None)},
@@ -434,7 +448,8 @@ def summarize_level(rows: list[dict[str, Any]], concurrency: int, wall_s: float)
             "decode_tokens_per_s_median": statistics.median(decode) if decode else None,
             "output_tokens_per_s": completion / wall_s if wall_s > 0 else None,
             "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok), "completion_tokens": completion,
-            "usage_from_chunks": sum(1 for r in ok if r["usage_source"] == "chunks")}
+            "usage_from_chunks": sum(1 for r in ok if r["usage_source"] == "chunks"),
+            "distinct_share_median": statistics.median(distinct) if distinct else None}
 
 
 def run_level(client: Any, model: str, prompts: Sequence[list[dict[str, Any]]], concurrency: int, max_tokens: int,

@@ -957,7 +957,7 @@ def phase_load(work: MergedWork) -> int:
 
 
 def load_table(doc: dict[str, Any]) -> dict[str, Any]:
-    """Item 5's figures: per server and level, decode tokens/s and TTFT, the floor, and the targets' ratios."""
+    """The side by side's figures: per server and level, decode tokens/s and TTFT, the floor, and the targets' ratios."""
     rows: dict[str, Any] = {}
     for what in ("lora", "merged", "base"):
         got = doc.get(what) or {}
@@ -968,6 +968,8 @@ def load_table(doc: dict[str, Any]) -> dict[str, Any]:
                       "levels": {lv["concurrency"]: {"decode_tokens_per_s": lv["decode_tokens_per_s_median"],
                                                      "ttft_p50_s": lv["ttft_s"]["p50"],
                                                      "output_tokens_per_s": lv["output_tokens_per_s"],
+                                                     # repetition in what it generated (serve_load's rows)
+                                                     "distinct_share": lv.get("distinct_share_median"),
                                                      "errors": lv["errors"]} for lv in got.get("levels") or []},
                       "error": got.get("error")}
     ratio: dict[str, Any] = {}

@@ -134,7 +134,8 @@ def test_level_runs_requests_concurrently_and_times_them(server: FakeServer) -> 
         assert FIRST_DELAY_S <= row["ttft_s"] < FIRST_DELAY_S + 1
         assert row["completion_tokens"] == TOKENS and row["usage_source"] == "server"
         assert row["finish_reason"] == "length"
-    assert level["completion_tokens"] == 8 * TOKENS
+        assert row["distinct_chunks"] == TOKENS and row["completion_head"].startswith("t0 t1 ")
+    assert level["completion_tokens"] == 8 * TOKENS and level["distinct_share_median"] == 1
     # the server's per-token delay sets the rate; timing jitter only widens it (both ways, generously)
     assert 0.25 / TOKEN_DELAY_S <= level["decode_tokens_per_s_median"] <= 2 / TOKEN_DELAY_S
     assert FIRST_DELAY_S <= level["ttft_s"]["p50"] <= level["ttft_s"]["p95"] <= level["ttft_s"]["max"]
