@@ -38,7 +38,7 @@ class CostModel(BaseModel):
     their share of the threads and their own bandwidth.
     """
 
-    # The reference host's limits, measured in the same session as the runs (kt-throughput/host.json):
+    # The reference host's limits, measured on the same host as the runs (kt-throughput/host.json):
     # memory read GB/s and BF16 matmul TFLOP/s (512 x 7168 @ 7168 x 2048) by thread count, medians.
     # Between the points the rate is interpolated as a power of the threads; beyond 16 threads the
     # 8 -> 16 exponent is extended (no host with more cores was measured).
@@ -103,8 +103,8 @@ class CostModel(BaseModel):
     # default threads (benchmarks/data/merged-serving/decode-model.json): the Kimi-K2.5 slice at 1 and 2 MoE layers
     # on two H200 + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by
     # least squares over the merged and base runs (5.4-6.2 and 9.0-11.3 ms); the merged slice on a third machine,
-    # not used, measured 0.91x the fit. Per MoE layer both modes cost about two floors; what merging removes is
-    # the fixed part (CUDA graphs, the LoRA kernels' launches).
+    # not used, measured 0.91x the fit. A MoE layer costs both modes about two floors; the fits differ by a fixed
+    # ~4.6 ms a token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter within the machines' spread.
     serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00603, "merged": 0.00145})
     serve_decode_floors: dict[str, float] = Field(default_factory=lambda: {"lora": 2.149, "merged": 2.006})
     # The highest read bandwidth measured on any host (GB/s; the 64-core host above): the power law of
@@ -173,9 +173,11 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
            "no LoRA flags (merged weights or the base model), CUDA graphs on")
     basis = (f"decode at concurrency 1, {mode} ({how}): {active / 1e9:.2f} GB of routed experts a token ({method}) "
              f"read at {read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s "
-             f"predicted ({token_s * 1e3:.1f} ms + {floors:.2f} floors a token: fitted at the default serving threads "
-             "on Kimi-K2.5 slices of 1 and 2 MoE layers on 16-core hosts, the merged fit checked on one run not used "
-             "(0.91x); benchmarks/data/merged-serving/decode-model.json)")
+             f"predicted ({token_s * 1e3:.2f} ms + {floors:.2f} floors a token: fitted at the default serving threads "
+             "on Kimi-K2.5 slices of 1 and 2 MoE layers on 16-core hosts, "
+             + ("the merged fit checked on a run not used (0.91x)" if fit == "merged" else
+                "no run left to check this mode's fit")
+             + "; benchmarks/data/merged-serving/decode-model.json)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
                           floor_tokens_per_s=round(floor, 2), tokens_per_s=round(rate, 2),
                           basis=basis)
