@@ -114,8 +114,14 @@ LORA_PATH_PUBLISHED = {"bf16": {"AMXBF16 (LoRA path)": (0.059865, 0.059443), "AM
                        "rawint4": {"RAWINT4 (LoRA path)": (0.062874, 0.063235)}}
 EXACT_TOLERANCE = 0.0005  # |served - reference| the LoRA path met where the expert weights are exact
 # Item 4: the tiny fixtures' merged formats, each beside the LoRA path of the same adapter, on the same machine.
+# MERGED_THROUGH_LORA_PATH: the merged BF16 checkpoint served through the LoRA path with the adapter's B set to zero.
+# kt-kernel's SFT forward runs the same BF16 expert GEMMs and roundings as its inference kernel, and adds terms that
+# are then exactly zero (so does the attention's LoRA on the GPU): the same loss as merged-BF16 says the two
+# servers compute alike and the difference from the LoRA path is the merged weights' (the update rounded into BF16
+# weights, then computed in BF16); another loss points at what else the two servers do differently.
+MERGED_THROUGH_LORA_PATH = "merged BF16 through the LoRA path"
 CHECK_VARIANTS = {"bf16": [("lora", None), ("merged-BF16", "BF16"), ("merged-AMXINT8", "AMXINT8"),
-                           ("merged-AMXINT4", "AMXINT4")],
+                           ("merged-AMXINT4", "AMXINT4"), ("merged-BF16-lora-path", MERGED_THROUGH_LORA_PATH)],
                   "rawint4": [("lora", None), ("merged-RAWINT4", "RAWINT4"), ("merged-AMXINT4", "AMXINT4"),
                               ("merged-BF16", "BF16")]}
 TINY_BASES = {"bf16": BUILD / "inputs" / "dsv3-bf16", "rawint4": BUILD / "inputs" / "kimi-k25-int4"}
@@ -1041,6 +1047,15 @@ def phase_check(work: MergedWork) -> int:
                 "mode": "lora" if method is None else "merged", "record_dir": str(ROOT / "tiny-endpoint" / name),
                 "out": str(work.results / "servers" / f"check-{name}-{label}.json"), "tokens": str(tokens),
                 "load_args": None}
+        if method == MERGED_THROUGH_LORA_PATH:
+            merged = ((doc.get("merged-BF16") or {}).get("endpoint") or {}).get("merged_dir")
+            if not merged:
+                doc[label] = {"ok": False, "error": "the merged BF16 checkpoint is not made yet: serve merged-BF16 first"}
+                status = 1
+                continue
+            spec.update(sets=check_sets(name, None, store, work.serve_python, work.extra_sets), model_dir=merged,
+                        kt_weight_dir=merged, adapter_dir=str(zero_b_adapter(adapter, ROOT / "tiny-zero-b" / name)),
+                        mode="lora", record_dir=str(ROOT / "tiny-endpoint" / f"{name}-merged-lora-path"))
         got = run_server(work, spec, limit_s=left)
         served = (got.get("served_loss") or {}).get("loss")
         got["difference"] = served - ref if served is not None else None
@@ -1058,6 +1073,25 @@ def phase_check(work: MergedWork) -> int:
     table = check_table(name, doc)
     work.save(f"check-{name}-summary", table)
     return status | (0 if table["bf16_within_tolerance"] is not False else 1)
+
+
+def zero_b_adapter(adapter: Path, out: Path) -> Path:
+    """``adapter`` (a converted adapter) with every LoRA B set to zero, at ``out``: served on any base, the LoRA path
+    then adds exactly nothing."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if out.is_dir():
+        return out
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(adapter, staging)
+    for path in staging.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({k: torch.zeros_like(v) if k.endswith(".lora_B.weight") else v for k, v in tensors.items()},
+                  str(path), metadata={"format": "pt"})
+    os.rename(staging, out)
+    return out
 
 
 def merged_weights_loss(work: MergedWork, got: dict[str, Any], method: str, adapter: Path, tokens: Path,

@@ -292,7 +292,8 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     # item 4: the tiny BF16 fixture, its converted adapter, loss_check's outputs where run.sh leaves them
     bf16 = fixture_dir("bf16")
     monkeypatch.setattr(ms, "TINY_BASES", {"bf16": bf16})
-    monkeypatch.setattr(ms, "CHECK_VARIANTS", {"bf16": [("lora", None), ("merged-BF16", "BF16")]})
+    monkeypatch.setattr(ms, "CHECK_VARIANTS", {"bf16": [("lora", None), ("merged-BF16", "BF16"),
+                                                         ("merged-BF16-lora-path", ms.MERGED_THROUGH_LORA_PATH)]})
     build = tmp / "build"
     ms.random_converted_adapter(bf16, build / "store" / "converted" / "bf16")
     (build / "results").mkdir(parents=True, exist_ok=True)
@@ -302,9 +303,13 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     monkeypatch.setattr(ms, "REFERENCE_PYTHON", sys.executable)
     with monkeypatch.context() as inside:
         _in_process(inside)
+        # the merged checkpoint through the LoRA path needs the merge that serving merged-BF16 makes
+        assert run("check", "--name", "bf16", "--only", "merged-BF16-lora-path") == 1
+        first = json.loads((results / "check-bf16.json").read_text())["merged-BF16-lora-path"]
+        assert not first["ok"] and "serve merged-BF16 first" in first["error"]
         assert run("check", "--name", "bf16") == 0
     check = json.loads((results / "check-bf16-summary.json").read_text())
-    assert [r["server"] for r in check["rows"]] == ["lora", "merged-BF16"]
+    assert [r["server"] for r in check["rows"]] == ["lora", "merged-BF16", "merged-BF16-lora-path"]
     assert all(r["served_loss"] == pytest.approx(0.05) and r["within_0.0005"] for r in check["rows"])
     assert check["bf16_within_tolerance"] is True
     # the merged BF16 weights scored in float32 by loss_check.py (ktflow's own python holds what its base variant
@@ -312,6 +317,13 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     fp32 = check["rows"][1]["merged_weights_fp32"]
     assert math.isfinite(fp32["loss"]) and fp32["rounding"] == pytest.approx(fp32["loss"] - 0.0503)
     assert fp32["server"] == pytest.approx(check["rows"][1]["served_loss"] - fp32["loss"])
+    # the merged checkpoint through the LoRA path: the merge's folder as the model, the adapter with its B zeroed
+    through = json.loads((results / "servers" / "check-bf16-merged-BF16-lora-path.json").read_text())
+    merged_dir = json.loads((results / "servers" / "check-bf16-merged-BF16.json").read_text())["endpoint"]["merged_dir"]
+    argv = through["argv"]
+    assert through["mode"] == "lora" and "--enable-lora" in argv
+    assert argv[argv.index("--kt-weight-path") + 1] == merged_dir
+    assert Path(through["adapter"]).name == "bf16" and "tiny-zero-b" in through["adapter"]
 
     assert run("report") == 0
     report = json.loads((results / "summary.json").read_text())
@@ -427,3 +439,18 @@ def test_a_merged_rawint4_checkpoint_is_scored_as_the_bf16_it_decodes_to(
     broken = {**got, "endpoint": {"merged_dir": str(tmp_path / "missing")}}
     assert "dequantize exited" in ms.merged_weights_loss(work, broken, "RAWINT4", adapter, tokens,
                                                          reference=6.0)["error"]
+
+
+def test_a_zero_b_adapter_adds_nothing_and_keeps_the_rest(tmp_path: Path, fixture_dir) -> None:
+    """The LoRA path of a merged checkpoint is served with the adapter's every B zeroed (its A and config kept)."""
+    from safetensors.torch import load_file
+
+    adapter = ms.random_converted_adapter(fixture_dir("bf16"), tmp_path / "converted")
+    zero = ms.zero_b_adapter(adapter, tmp_path / "zero")
+    before, after = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(zero / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and any(k.endswith(".lora_B.weight") for k in after)
+    for key, tensor in after.items():
+        assert tensor.dtype == before[key].dtype and tensor.shape == before[key].shape
+        assert (tensor == 0).all() if key.endswith(".lora_B.weight") else (tensor == before[key]).all()
+    assert (zero / "adapter_config.json").read_text() == (adapter / "adapter_config.json").read_text()
+    assert not (tmp_path / "zero.tmp").exists()
