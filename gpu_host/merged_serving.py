@@ -114,17 +114,18 @@ LORA_PATH_PUBLISHED = {"bf16": {"AMXBF16 (LoRA path)": (0.059865, 0.059443), "AM
                        "rawint4": {"RAWINT4 (LoRA path)": (0.062874, 0.063235)}}
 EXACT_TOLERANCE = 0.0005  # |served - reference| the LoRA path met where the expert weights are exact
 # Item 4: the tiny fixtures' merged formats, each beside the LoRA path of the same adapter, on the same machine.
-# MERGED_THROUGH_LORA_PATH: the merged BF16 checkpoint served through the LoRA path with the adapter's B set to zero.
-# kt-kernel's SFT forward runs the same BF16 expert GEMMs and roundings as its inference kernel, and adds terms that
-# are then exactly zero (so does the attention's LoRA on the GPU): the same loss as merged-BF16 says the two
-# servers compute alike and the difference from the LoRA path is the merged weights' (the update rounded into BF16
-# weights, then computed in BF16); another loss points at what else the two servers do differently.
-MERGED_THROUGH_LORA_PATH = "merged BF16 through the LoRA path"
+# Each server: (label, the merged format it serves, or None for the LoRA path).
 CHECK_VARIANTS = {"bf16": [("lora", None), ("merged-BF16", "BF16"), ("merged-AMXINT8", "AMXINT8"),
-                           ("merged-AMXINT4", "AMXINT4"), ("merged-BF16-lora-path", MERGED_THROUGH_LORA_PATH)],
+                           ("merged-AMXINT4", "AMXINT4"), ("merged-BF16-lora-path", None)],
                   "rawint4": [("lora", None), ("merged-RAWINT4", "RAWINT4"), ("merged-AMXINT4", "AMXINT4"),
                               ("merged-BF16", "BF16")]}
 TINY_BASES = {"bf16": BUILD / "inputs" / "dsv3-bf16", "rawint4": BUILD / "inputs" / "kimi-k25-int4"}
+# LoRA-path servers of a merged checkpoint instead of the base: label -> the merged server whose merge it serves, with
+# the adapter's every B set to zero. kt-kernel's SFT forward runs the same BF16 expert GEMMs and roundings as its
+# inference kernel and then adds exactly zero (so does the attention's LoRA on the GPU): the same loss as that
+# merged server says the two servers compute alike, so the difference from the LoRA path is the merged weights'
+# (the update rounded into BF16 weights, then computed in BF16); another loss points at what else the servers do.
+THROUGH_LORA_PATH = {"merged-BF16-lora-path": "merged-BF16"}
 
 
 class MergedWork(kimi_slice.SliceWork):
@@ -474,7 +475,8 @@ def serve_and_measure(spec: dict[str, Any]) -> dict[str, Any]:
             bench = json.loads(Path(load.load_json).read_text())
             doc["levels"] = [{k: lv.get(k) for k in (
                 "concurrency", "requests", "errors", "wall_s", "ttft_s", "prefill_tokens_per_s_median",
-                "decode_tokens_per_s_median", "output_tokens_per_s", "peak_gpu_mem_used_mib", "peak_server_rss_bytes")}
+                "decode_tokens_per_s_median", "output_tokens_per_s", "peak_gpu_mem_used_mib", "peak_server_rss_bytes",
+                "distinct_share_median")}
                 for lv in bench.get("levels", [])]
             doc["floor"], doc["decode_vs_floor"] = bench.get("floor"), bench.get("decode_vs_floor")
         doc["ok"] = True
@@ -1035,7 +1037,9 @@ def phase_check(work: MergedWork) -> int:
     status = 0
     variants = check_variants(name, work.args.only)
     for label, method in variants:
-        if doc.get(label, {}).get("ok") and not work.args.again:
+        source = _merged_source(doc, THROUGH_LORA_PATH[label]) if label in THROUGH_LORA_PATH else None
+        if (doc.get(label, {}).get("ok") and not work.args.again
+                and (label not in THROUGH_LORA_PATH or doc[label].get("merged_dir") == source)):
             continue
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
         if left < CHECK_SERVER_S:
@@ -1047,16 +1051,18 @@ def phase_check(work: MergedWork) -> int:
                 "mode": "lora" if method is None else "merged", "record_dir": str(ROOT / "tiny-endpoint" / name),
                 "out": str(work.results / "servers" / f"check-{name}-{label}.json"), "tokens": str(tokens),
                 "load_args": None}
-        if method == MERGED_THROUGH_LORA_PATH:
-            merged = ((doc.get("merged-BF16") or {}).get("endpoint") or {}).get("merged_dir")
-            if not merged:
-                doc[label] = {"ok": False, "error": "the merged BF16 checkpoint is not made yet: serve merged-BF16 first"}
+        if label in THROUGH_LORA_PATH:
+            if source is None:
+                doc[label] = {"ok": False, "error": f"{THROUGH_LORA_PATH[label]}'s merged checkpoint is not on this "
+                                                    f"machine: run ONLY={THROUGH_LORA_PATH[label]},{label} first"}
                 status = 1
                 continue
-            spec.update(sets=check_sets(name, None, store, work.serve_python, work.extra_sets), model_dir=merged,
-                        kt_weight_dir=merged, adapter_dir=str(zero_b_adapter(adapter, ROOT / "tiny-zero-b" / name)),
-                        mode="lora", record_dir=str(ROOT / "tiny-endpoint" / f"{name}-merged-lora-path"))
+            spec.update(model_dir=source, kt_weight_dir=source,
+                        adapter_dir=str(zero_b_adapter(adapter, ROOT / "tiny-zero-b" / name)),
+                        record_dir=str(ROOT / "tiny-endpoint" / f"{name}-{label}"))
         got = run_server(work, spec, limit_s=left)
+        if label in THROUGH_LORA_PATH:
+            got["merged_dir"] = source
         served = (got.get("served_loss") or {}).get("loss")
         got["difference"] = served - ref if served is not None else None
         got["within_exact_tolerance"] = abs(served - ref) <= EXACT_TOLERANCE if served is not None else None
@@ -1075,21 +1081,33 @@ def phase_check(work: MergedWork) -> int:
     return status | (0 if table["bf16_within_tolerance"] is not False else 1)
 
 
+def _merged_source(doc: dict[str, Any], server: str) -> str | None:
+    """The merged checkpoint ``server`` served in this check, if it served and the folder is still here."""
+    got = doc.get(server) or {}
+    merged = (got.get("endpoint") or {}).get("merged_dir")
+    return merged if got.get("ok") and merged and Path(merged).is_dir() else None
+
+
 def zero_b_adapter(adapter: Path, out: Path) -> Path:
-    """``adapter`` (a converted adapter) with every LoRA B set to zero, at ``out``: served on any base, the LoRA path
-    then adds exactly nothing."""
+    """``adapter`` (a converted adapter) with every LoRA B set to zero, remade at ``out`` from it every time (a few MB
+    here): served on any base of its geometry, the LoRA path then adds exactly nothing. The adapter's manifest is
+    left out, since it describes the adapter as trained."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    if out.is_dir():
-        return out
+    from ktflow.store import MANIFEST_NAME
+
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(adapter, staging)
+    shutil.copytree(adapter, staging, ignore=shutil.ignore_patterns(MANIFEST_NAME))
     for path in staging.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
         tensors = load_file(str(path))
         save_file({k: torch.zeros_like(v) if k.endswith(".lora_B.weight") else v for k, v in tensors.items()},
-                  str(path), metadata={"format": "pt"})
+                  str(path), metadata=metadata)
+    shutil.rmtree(out, ignore_errors=True)
     os.rename(staging, out)
     return out
 

@@ -288,12 +288,14 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     assert views == ["base", "merged-RAWINT4"]
     summary = json.loads((results / "load-summary.json").read_text())
     assert summary["ratios"]["1"]["merged_over_base"] > 0
+    # what each server generated, as repetition: the stand-in's completions share no chunk
+    assert all(0 < lv["distinct_share"] <= 1 for s in summary["servers"].values() for lv in s["levels"].values())
 
     # item 4: the tiny BF16 fixture, its converted adapter, loss_check's outputs where run.sh leaves them
     bf16 = fixture_dir("bf16")
     monkeypatch.setattr(ms, "TINY_BASES", {"bf16": bf16})
     monkeypatch.setattr(ms, "CHECK_VARIANTS", {"bf16": [("lora", None), ("merged-BF16", "BF16"),
-                                                         ("merged-BF16-lora-path", ms.MERGED_THROUGH_LORA_PATH)]})
+                                                         ("merged-BF16-lora-path", None)]})
     build = tmp / "build"
     ms.random_converted_adapter(bf16, build / "store" / "converted" / "bf16")
     (build / "results").mkdir(parents=True, exist_ok=True)
@@ -306,7 +308,7 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
         # the merged checkpoint through the LoRA path needs the merge that serving merged-BF16 makes
         assert run("check", "--name", "bf16", "--only", "merged-BF16-lora-path") == 1
         first = json.loads((results / "check-bf16.json").read_text())["merged-BF16-lora-path"]
-        assert not first["ok"] and "serve merged-BF16 first" in first["error"]
+        assert not first["ok"] and "run ONLY=merged-BF16,merged-BF16-lora-path first" in first["error"]
         assert run("check", "--name", "bf16") == 0
     check = json.loads((results / "check-bf16-summary.json").read_text())
     assert [r["server"] for r in check["rows"]] == ["lora", "merged-BF16", "merged-BF16-lora-path"]
@@ -324,6 +326,7 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     assert through["mode"] == "lora" and "--enable-lora" in argv
     assert argv[argv.index("--kt-weight-path") + 1] == merged_dir
     assert Path(through["adapter"]).name == "bf16" and "tiny-zero-b" in through["adapter"]
+    assert json.loads((results / "check-bf16.json").read_text())["merged-BF16-lora-path"]["merged_dir"] == merged_dir
 
     assert run("report") == 0
     report = json.loads((results / "summary.json").read_text())
@@ -442,10 +445,13 @@ def test_a_merged_rawint4_checkpoint_is_scored_as_the_bf16_it_decodes_to(
 
 
 def test_a_zero_b_adapter_adds_nothing_and_keeps_the_rest(tmp_path: Path, fixture_dir) -> None:
-    """The LoRA path of a merged checkpoint is served with the adapter's every B zeroed (its A and config kept)."""
+    """The LoRA path of a merged checkpoint is served with the adapter's every B zeroed: its A, config and file
+    metadata kept, its manifest (the trained adapter's) left out, remade from the adapter each time."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     adapter = ms.random_converted_adapter(fixture_dir("bf16"), tmp_path / "converted")
+    (adapter / "manifest.json").write_text("{}")
     zero = ms.zero_b_adapter(adapter, tmp_path / "zero")
     before, after = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(zero / "adapter_model.safetensors"))
     assert before.keys() == after.keys() and any(k.endswith(".lora_B.weight") for k in after)
@@ -453,4 +459,8 @@ def test_a_zero_b_adapter_adds_nothing_and_keeps_the_rest(tmp_path: Path, fixtur
         assert tensor.dtype == before[key].dtype and tensor.shape == before[key].shape
         assert (tensor == 0).all() if key.endswith(".lora_B.weight") else (tensor == before[key]).all()
     assert (zero / "adapter_config.json").read_text() == (adapter / "adapter_config.json").read_text()
-    assert not (tmp_path / "zero.tmp").exists()
+    assert not (zero / "manifest.json").exists() and not (tmp_path / "zero.tmp").exists()
+    with safe_open(str(zero / "adapter_model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    (adapter / "adapter_config.json").write_text('{"r": 4}')  # another adapter at the same place: remade
+    assert (ms.zero_b_adapter(adapter, tmp_path / "zero") / "adapter_config.json").read_text() == '{"r": 4}'

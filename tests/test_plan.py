@@ -484,9 +484,8 @@ def test_without_the_hub_the_plan_says_the_size_is_unknown(tmp_path: Path) -> No
 def test_serving_decode_model_is_the_fit_of_its_runs_and_checks_on_the_run_left_out() -> None:
     """The decode model's constants are benchmarks/serve_decode_model.py's fit (decode-model.json), rounded; on the
     Kimi-K2.5 slice at ktflow serve's default 14 threads it gives back the LoRA path's two runs it was solved from
-    (93.7 and 65.3 tokens/s) and the merged run on another machine it was not fitted on (189.8 tokens/s) within
-    10 %; merged weights decode faster than KT's LoRA path, the base model as merged; more MoE layers or bytes are
-    slower."""
+    (93.7 and 65.3 tokens/s) and the check on a merged run it was not fitted on (which decoded 1.10x it); merged
+    weights decode faster than KT's LoRA path, the base model as merged; more MoE layers or bytes are slower."""
     from ktflow.planning.costs import COSTS, serve_decode_estimate
 
     fits = json.loads((REPO / "benchmarks/data/merged-serving/decode-model.json").read_text())
@@ -506,13 +505,17 @@ def test_serving_decode_model_is_the_fit_of_its_runs_and_checks_on_the_run_left_
     assert one.active_bytes_per_token == 198_180_864  # serve_load.py's bytes for the slice's MoE layer
     assert one.tokens_per_s == pytest.approx(93.72, rel=0.01) and two.tokens_per_s == pytest.approx(65.32, rel=0.01)
     merged, base = (serve_decode_estimate(kimi_slice(1), "RAWINT4", threads=14, mode=m) for m in ("merged", "base"))
-    assert merged is not None and base is not None
-    assert merged.tokens_per_s == pytest.approx(189.76, rel=0.10) and merged.tokens_per_s == base.tokens_per_s
-    assert "default serving threads" in merged.basis and "0.91x" in merged.basis
+    assert merged is not None and base is not None and merged.tokens_per_s == base.tokens_per_s
+    # the run left out of the fit (189.8 tokens/s): the check in decode-model.json is the product's own prediction
+    check = fits["checks_not_used_to_fit"][0]
+    assert merged.tokens_per_s == pytest.approx(1e3 / check["predicted_ms"], rel=0.01)
+    assert 1 / check["measured_over_predicted"] == pytest.approx(1.10, abs=0.005)
+    assert "default serving threads" in merged.basis and "decoded 1.10x its rate" in merged.basis
     whole = serve_decode_estimate(kimi_slice(60), "RAWINT4", threads=14)
     assert whole is not None and whole.tokens_per_s < two.tokens_per_s < one.tokens_per_s < one.floor_tokens_per_s
     assert one.tokens_per_s < merged.tokens_per_s
-    assert serve_decode_estimate(kimi_slice(1), "BF16", threads=14).tokens_per_s < one.tokens_per_s  # type: ignore[union-attr]
+    bf16 = serve_decode_estimate(kimi_slice(1), "BF16", threads=14)
+    assert bf16 is not None and bf16.tokens_per_s < one.tokens_per_s
 
 
 def test_plan_has_a_serving_line_with_decode_for_sglang_recipes() -> None:

@@ -42,6 +42,7 @@ class FakeServer(ThreadingHTTPServer):
         self.in_flight = self.max_in_flight = self.arrived = 0
         self.fail_every = 0  # every n-th arriving request gets HTTP 500 (0: none)
         self.usage = True  # False: no usage chunk (a server that ignores stream_options)
+        self.repeat_from = TOKENS  # from this token on, every chunk is the same (a model repeating itself)
         self.bodies: list[dict[str, Any]] = []
 
 
@@ -99,7 +100,8 @@ class Handler(BaseHTTPRequestHandler):
             if i:
                 time.sleep(TOKEN_DELAY_S)
             finish = "length" if i == TOKENS - 1 else None
-            send({**base, "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": finish}]})
+            text = f"t{min(i, self.server.repeat_from)} "
+            send({**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
         words = sum(len(str(m["content"]).split()) for m in body["messages"])
         if self.server.usage:
                 send({**base, "choices": [], "usage": {"prompt_tokens": words, "completion_tokens": TOKENS,
@@ -242,6 +244,18 @@ def test_prompts_file_and_usage_fallback(server: FakeServer, tmp_path: Path) -> 
     assert row["usage_source"] == "chunks" and row["completion_tokens"] == TOKENS and row["prompt_tokens"] is None
     assert level["usage_from_chunks"] == 1 and level["prefill_tokens_per_s_median"] is None
     assert level["decode_tokens_per_s_median"] is not None
+
+
+def test_a_completion_that_repeats_itself_says_so(server: FakeServer) -> None:
+    """Two servers of one geometry can decode at different rates when one repeats itself: each row keeps how many of
+    its chunks differ and the completion's start, each level the median share."""
+    server.repeat_from = 2  # t0 t1 t2 t2 t2 ...
+    level = serve_load.run_level(client_for(server), "m", serve_load.build_prompts(2, seed=1), 1, 16, requests=2,
+                                 timeout_s=30)
+    row = level["rows"][0]
+    assert row["content_chunks"] == TOKENS and row["distinct_chunks"] == 3
+    assert row["completion_head"].startswith("t0 t1 t2 t2 ")
+    assert level["distinct_share_median"] == pytest.approx(3 / TOKENS)
 
 
 def test_prompts_that_would_not_fit_the_servers_context_are_left_out(fixture_dir) -> None:
