@@ -1037,9 +1037,10 @@ def phase_check(work: MergedWork) -> int:
     status = 0
     variants = check_variants(name, work.args.only)
     for label, method in variants:
-        source = _merged_source(doc, THROUGH_LORA_PATH[label]) if label in THROUGH_LORA_PATH else None
+        through = THROUGH_LORA_PATH.get(label)  # the merged server whose checkpoint this one serves, if any
+        source = _merged_source(doc, through) if through else None
         if (doc.get(label, {}).get("ok") and not work.args.again
-                and (label not in THROUGH_LORA_PATH or doc[label].get("merged_dir") == source)):
+                and (not through or doc[label].get("merged_dir") == source)):
             continue
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
         if left < CHECK_SERVER_S:
@@ -1051,17 +1052,17 @@ def phase_check(work: MergedWork) -> int:
                 "mode": "lora" if method is None else "merged", "record_dir": str(ROOT / "tiny-endpoint" / name),
                 "out": str(work.results / "servers" / f"check-{name}-{label}.json"), "tokens": str(tokens),
                 "load_args": None}
-        if label in THROUGH_LORA_PATH:
+        if through:
             if source is None:
-                doc[label] = {"ok": False, "error": f"{THROUGH_LORA_PATH[label]}'s merged checkpoint is not on this "
-                                                    f"machine: run ONLY={THROUGH_LORA_PATH[label]},{label} first"}
+                doc[label] = {"ok": False, "error": f"{through}'s merged checkpoint is not on this machine: "
+                                                    f"run ONLY={through},{label} first"}
                 status = 1
                 continue
             spec.update(model_dir=source, kt_weight_dir=source,
                         adapter_dir=str(zero_b_adapter(adapter, ROOT / "tiny-zero-b" / name)),
                         record_dir=str(ROOT / "tiny-endpoint" / f"{name}-{label}"))
         got = run_server(work, spec, limit_s=left)
-        if label in THROUGH_LORA_PATH:
+        if through:
             got["merged_dir"] = source
         served = (got.get("served_loss") or {}).get("loss")
         got["difference"] = served - ref if served is not None else None
@@ -1081,10 +1082,15 @@ def phase_check(work: MergedWork) -> int:
     return status | (0 if table["bf16_within_tolerance"] is not False else 1)
 
 
+def _served_merge(got: dict[str, Any]) -> str | None:
+    """The merged checkpoint a server's record says it served (None: the base, or no record)."""
+    return (got.get("endpoint") or {}).get("merged_dir")
+
+
 def _merged_source(doc: dict[str, Any], server: str) -> str | None:
     """The merged checkpoint ``server`` served in this check, if it served and the folder is still here."""
     got = doc.get(server) or {}
-    merged = (got.get("endpoint") or {}).get("merged_dir")
+    merged = _served_merge(got)
     return merged if got.get("ok") and merged and Path(merged).is_dir() else None
 
 
@@ -1094,7 +1100,7 @@ def zero_b_adapter(adapter: Path, out: Path) -> Path:
     left out, since it describes the adapter as trained."""
     import torch
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from ktflow.store import MANIFEST_NAME
 
@@ -1102,9 +1108,9 @@ def zero_b_adapter(adapter: Path, out: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(adapter, staging, ignore=shutil.ignore_patterns(MANIFEST_NAME))
     for path in staging.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:  # one read: the tensors and the file's metadata
             metadata = f.metadata()
-        tensors = load_file(str(path))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
         save_file({k: torch.zeros_like(v) if k.endswith(".lora_B.weight") else v for k, v in tensors.items()},
                   str(path), metadata=metadata)
     shutil.rmtree(out, ignore_errors=True)
@@ -1119,7 +1125,7 @@ def merged_weights_loss(work: MergedWork, got: dict[str, Any], method: str, adap
     reference) and the server's computation (the served loss less this score). BF16 is scored as written; RAWINT4
     as the BF16 its INT4 decodes to exactly (ktflow dequantize, the reference's own decoding of the base). Within
     ``timeout_s`` (the step's time left), else an error entry."""
-    merged = (got.get("endpoint") or {}).get("merged_dir")
+    merged = _served_merge(got)
     if not merged:
         return {"error": "the server's record names no merged folder"}
     deadline = time.monotonic() + timeout_s
