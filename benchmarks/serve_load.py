@@ -529,12 +529,13 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main` (a caller building an argv checks it here)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True, help="the server's OpenAI API root, e.g. http://127.0.0.1:30000/v1")
     p.add_argument("--model", required=True, help="model name as the server knows it (SGLang LoRA: BASE:ADAPTER)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                   help="default: $OPENAI_API_KEY, else EMPTY")
+                   help="default: $OPENAI_API_KEY, else EMPTY (a key that starts with '-': --api-key=KEY)")
     p.add_argument("--concurrency", type=parse_levels, default=list(DEFAULT_LEVELS),
                    help="comma-separated levels, run in order (default 1,4,16)")
     p.add_argument("--requests-per-level", type=int, default=None, help="default: max(2 x concurrency, 4)")
@@ -564,6 +565,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bandwidth-repeats", type=int, default=5, help="best of (default 5)")
     p.add_argument("--label", default=None, help="stored in the JSON (default: the kt method)")
     p.add_argument("--json", type=Path, default=None, help="write everything to this JSON file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     import openai

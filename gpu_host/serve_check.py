@@ -414,16 +414,23 @@ def _read_bandwidth() -> dict[str, Any]:
     return found
 
 
-def _load_benchmark(args: argparse.Namespace, recipe: Any, endpoint: Any, key: str, model_dir: Path,
-                    read_gb_s: float) -> dict[str, Any]:
-    """benchmarks/serve_load.py against the running endpoint (concurrency levels, TTFT, prefill, decode, GPU
-    memory, the server tree's RSS, decode against its floor); its JSON goes to ``--load-json``."""
-    argv = ["--base-url", endpoint.url, "--model", endpoint.adapter_model_name or endpoint.served_model_name,
-            "--api-key", key, "--server-pid", str(endpoint.pid), "--model-dir", str(model_dir),
+def load_benchmark_argv(args: argparse.Namespace, recipe: Any, endpoint: Any, key: str, model_dir: Path,
+                        read_gb_s: float) -> list[str]:
+    """serve_load's command line against ``endpoint``. The key goes as ``--api-key=KEY``: a random URL-safe key
+    starts with '-' once in 64, which argparse would read as the next option."""
+    return ["--base-url", endpoint.url, "--model", endpoint.adapter_model_name or endpoint.served_model_name,
+            f"--api-key={key}", "--server-pid", str(endpoint.pid), "--model-dir", str(model_dir),
             "--kt-method", recipe.serving.kt_method, "--label", recipe.serving.kt_method,
             "--read-gb-s", str(read_gb_s), "--json", str(Path(args.load_json).absolute()),
             *(["--context-length", str(recipe.serving.context_length)] if recipe.serving.context_length else []),
             *(args.load_args.split() if args.load_args else [])]
+
+
+def _load_benchmark(args: argparse.Namespace, recipe: Any, endpoint: Any, key: str, model_dir: Path,
+                    read_gb_s: float) -> dict[str, Any]:
+    """benchmarks/serve_load.py against the running endpoint (concurrency levels, TTFT, prefill, decode, GPU
+    memory, the server tree's RSS, decode against its floor); its JSON goes to ``--load-json``."""
+    argv = load_benchmark_argv(args, recipe, endpoint, key, model_dir, read_gb_s)
     started = time.perf_counter()
     rc = _serve_load().main(argv)
     doc = json.loads(Path(args.load_json).read_text())

@@ -278,3 +278,23 @@ def test_the_no_expert_candidate_of_the_promotion_check_is_a_published_ordinary_
     assert has_expert_lora(converted) and not has_expert_lora(out)
     assert served_kt_method("AMXBF16", converted) == "AMXBF16" and served_kt_method("AMXBF16", out) == "BF16"
     assert serve_check.write_no_expert_adapter(converted, out) == out  # published once
+
+
+@pytest.mark.parametrize("key", ["-Mk3xQ", "--dashes", "plain_key"])
+def test_the_load_benchmark_gets_the_key_whatever_it_starts_with(tmp_path: Path, key: str) -> None:
+    """serve_check.py's serve_load command line: a random URL-safe key starts with '-' once in 64, which argparse
+    read as a missing value (a load benchmark lost to it); the key travels as --api-key=KEY."""
+    import argparse
+    from types import SimpleNamespace
+
+    import serve_check
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import serve_load
+
+    recipe = load_recipe(SERVE_RECIPE)
+    endpoint = SimpleNamespace(url="http://127.0.0.1:30000/v1", adapter_model_name=None, served_model_name="m", pid=1)
+    args = argparse.Namespace(load_json=str(tmp_path / "load.json"), load_args="--concurrency 1")
+    argv = serve_check.load_benchmark_argv(args, recipe, endpoint, key, tmp_path, 90.0)
+    parsed = serve_load.build_parser().parse_args(argv)
+    assert parsed.api_key == key and parsed.concurrency == [1] and parsed.server_pid == 1
