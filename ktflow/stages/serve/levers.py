@@ -5,10 +5,13 @@ deferral, dynamic expert placement, CUDA graphs, the prefill chunk) each change 
 predicts well across machines. So ``ktflow tune-serving`` measures them on the host that serves: the recipe's own
 serving section (the baseline) and one lever changed at a time (:func:`lever_candidates`), each a short run at
 concurrency 1 (decode tokens/s, time to the first token and, where records are given, the served loss of a few
-training records). The fastest *correct* configuration wins (:func:`choose_settings`): a candidate that served,
-and whose served loss stays within :data:`SAME_WEIGHTS_LOSS_TOLERANCE` of the baseline's (or, for another CPU
-method, which quantizes the experts anew, within :data:`REQUANTIZED_LOSS_TOLERANCE` of it). The levers that each
-beat the baseline by :data:`COMBINE_GAIN` or more are then measured together as one more candidate.
+training records). The levers that each beat the baseline by :data:`LEVER_GAIN` or more are then measured
+together as one more candidate, and the baseline is started once more, last (:data:`BASELINE_AGAIN`): two starts of
+one configuration on one host differ (9 % between two decode-equivalent servers on an H200 host), so a lever wins
+only by beating the faster of the baseline's two measurements by :data:`LEVER_GAIN`. The fastest such *correct*
+configuration wins (:func:`choose_settings`), else the recipe's own: a candidate that served, and whose served loss
+stays within :data:`SAME_WEIGHTS_LOSS_TOLERANCE` of the baseline's (or, for another CPU method, which quantizes the
+experts anew, within :data:`REQUANTIZED_LOSS_TOLERANCE` of it).
 
 The result (:class:`ServingLevers`) is kept per machine and served model under the store
 (``<store>/serving-levers/<machine>/<model>.json``), and the serve stage applies it
@@ -43,11 +46,12 @@ SAME_WEIGHTS_LOSS_TOLERANCE = 0.002  # |served loss - baseline's| a lever that k
 # Another CPU method quantizes the experts anew (AMXINT4 from RAWINT4, say): its served loss may differ by this share
 # of the baseline's (or the same-weights tolerance, whichever is larger) and the choice says what it cost.
 REQUANTIZED_LOSS_TOLERANCE = 0.01
-COMBINE_GAIN = 1.03  # a lever joins the combination when it beats the baseline's decode by 3 % or more
+LEVER_GAIN = 1.03  # a lever counts (joins the combination, may be chosen) when it beats the baseline by 3 % or more
 GPU_RESERVE_BYTES = 8 * GiB  # activations, CUDA graphs and workspace beside the weights and the KV pool
 DEFAULT_CONTEXT_TOKENS = 16 * 1024  # the KV pool a GPU share keeps room for when the recipe bounds none
 AMX_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's AMX formats: the merge stage writes them, the GPU holds none
 BASELINE = "baseline"
+BASELINE_AGAIN = "baseline-again"  # the recipe's own settings started again after the others: the host's spread
 COMBINED = "combined"
 
 
@@ -315,10 +319,10 @@ def judge(candidate: LeverCandidate, measurement: LeverMeasurement,
 
 
 def combined_candidate(runs: list[LeverRun], recipe: Recipe) -> LeverCandidate | None:
-    """The levers that each beat the baseline by :data:`COMBINE_GAIN` or more and were correct, together (where
+    """The levers that each beat the baseline by :data:`LEVER_GAIN` or more and were correct, together (where
     two set one field, the faster one's value); None when fewer than two qualify. Refused if the recipe refuses."""
-    winners = sorted((r for r in runs if r.correct and r.candidate.name != BASELINE and r.vs_baseline is not None
-                      and r.vs_baseline >= COMBINE_GAIN), key=lambda r: -(r.vs_baseline or 0))
+    winners = sorted((r for r in runs if r.correct and r.candidate.name not in (BASELINE, BASELINE_AGAIN)
+                      and r.vs_baseline is not None and r.vs_baseline >= LEVER_GAIN), key=lambda r: -(r.vs_baseline or 0))
     if len(winners) < 2:
         return None
     updates: dict[str, Any] = {}
@@ -327,7 +331,7 @@ def combined_candidate(runs: list[LeverRun], recipe: Recipe) -> LeverCandidate |
             updates.setdefault(field, value)
     names = [r.candidate.name for r in winners]
     candidate = LeverCandidate(name=COMBINED, updates=updates,
-                               why=f"the levers that each beat the baseline by {COMBINE_GAIN - 1:.0%} or more: "
+                               why=f"the levers that each beat the baseline by {LEVER_GAIN - 1:.0%} or more: "
                                    + ", ".join(names))
     try:
         candidate_recipe(recipe, updates)
@@ -337,19 +341,33 @@ def combined_candidate(runs: list[LeverRun], recipe: Recipe) -> LeverCandidate |
 
 
 def choose_settings(runs: list[LeverRun]) -> LeverChoice | None:
-    """The fastest correct configuration measured (the baseline included); None when the baseline did not serve."""
+    """The fastest correct configuration measured that beats the recipe's own settings by :data:`LEVER_GAIN`
+    (against the faster of the baseline's measurements: the first, and :data:`BASELINE_AGAIN` where it ran), else
+    the recipe's own; None when the baseline did not serve."""
     baseline = next((r for r in runs if r.candidate.name == BASELINE), None)
     if baseline is None or not baseline.correct or baseline.measurement is None:
         return None
     base_rate = baseline.measurement.decode_tokens_per_s or 0.0
-    best = max((r for r in runs if r.correct and r.measurement is not None), key=lambda r: (
-        r.measurement.decode_tokens_per_s or 0.0, r.candidate.name == BASELINE))  # type: ignore[union-attr]
+    again = next((r for r in runs if r.candidate.name == BASELINE_AGAIN and r.correct and r.measurement is not None
+                  and r.measurement.decode_tokens_per_s), None)
+    again_rate = again.measurement.decode_tokens_per_s if again is not None else None  # type: ignore[union-attr]
+    reference = max(base_rate, again_rate or 0.0)
+    starts = (f"its two starts measured {base_rate:.1f} and {again_rate:.1f} tokens/s"
+              if again_rate is not None else f"{base_rate:.1f} tokens/s")
+    better = [r for r in runs if r.correct and r.measurement is not None and r.measurement.decode_tokens_per_s
+              and r.candidate.name not in (BASELINE, BASELINE_AGAIN)
+              and r.measurement.decode_tokens_per_s >= LEVER_GAIN * reference]
+    if not better:
+        return LeverChoice(name=BASELINE, updates={k: v for k, v in baseline.candidate.updates.items() if k != "mode"},
+                           decode_tokens_per_s=base_rate, vs_baseline=1.0,
+                           reason=f"the recipe's own settings: no setting beat them by {LEVER_GAIN - 1:.0%} or more "
+                                  f"at concurrency 1 ({starts})")
+    best = max(better, key=lambda r: r.measurement.decode_tokens_per_s or 0.0)  # type: ignore[union-attr]
     rate = best.measurement.decode_tokens_per_s or 0.0  # type: ignore[union-attr]
-    if best is baseline:
-        reason = f"the recipe's own settings were the fastest correct ({rate:.1f} tokens/s decode at concurrency 1)"
-    else:
-        reason = (f"{best.candidate.name}: {rate:.1f} tokens/s decode at concurrency 1, {rate / base_rate:.2f}x the "
-                  f"baseline's {base_rate:.1f} ({best.candidate.why}); {best.verdict}")
+    reason = (f"{best.candidate.name}: {rate:.1f} tokens/s decode at concurrency 1, {rate / base_rate:.2f}x the "
+              f"baseline's {base_rate:.1f}" + (f" and {rate / again_rate:.2f}x its second start's {again_rate:.1f}"
+                                              if again_rate is not None else "")
+              + f" ({best.candidate.why}); {best.verdict}")
     return LeverChoice(name=best.candidate.name, updates={k: v for k, v in best.candidate.updates.items()
                                                           if k != "mode"},
                        decode_tokens_per_s=rate, vs_baseline=round(rate / base_rate, 3) if base_rate else 1.0,
@@ -360,7 +378,8 @@ def measure_levers(recipe: Recipe, candidates: list[LeverCandidate],
                    measure: Callable[[ServingConfig], LeverMeasurement], *, machine: str, model: ServedModel,
                    gpu: str | None = None, log: Log = None) -> ServingLevers:
     """Measure ``candidates`` (the baseline first) with ``measure``, then the combination of the levers that beat
-    the baseline, and choose. Skipped and refused candidates are recorded, not run."""
+    the baseline, then the baseline again (the host's spread between two starts), and choose. Skipped and refused
+    candidates are recorded, not run."""
     runs: list[LeverRun] = []
     baseline: LeverMeasurement | None = None
 
@@ -396,6 +415,11 @@ def measure_levers(recipe: Recipe, candidates: list[LeverCandidate],
     combined = combined_candidate(runs, recipe)
     if combined is not None:
         run_one(combined)
+    first = runs[0] if runs and runs[0].candidate.name == BASELINE else None
+    if first is not None and first.correct:
+        run_one(LeverCandidate(name=BASELINE_AGAIN, updates=first.candidate.updates,
+                               why="the recipe's own settings started again after the others: how far two starts "
+                                   "of one configuration differ on this host"))
     return ServingLevers(machine=machine, gpu=gpu, model=model, runs=runs, choice=choose_settings(runs),
                          measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
@@ -473,7 +497,8 @@ def apply_measured_levers(serving: ServingConfig, record: ServingLevers) -> tupl
         return serving, f"{head}: no configuration served correctly; the recipe's settings are used"
     rate = f"{choice.decode_tokens_per_s:.1f} tokens/s decode at concurrency 1"
     if not choice.updates:
-        return serving, f"{head}: the recipe's own settings were the fastest ({rate})"
+        return serving, (f"{head}: the recipe's own settings kept, no setting beat them by {LEVER_GAIN - 1:.0%} or "
+                         f"more ({rate})")
     applied, kept = split_choice(serving, record)
     line = f"{head}: {choice.name} fastest ({rate}, {choice.vs_baseline:.2f}x the recipe's own)"
     line += f"; applied: {describe_updates(applied)}" if applied else "; nothing applied"
