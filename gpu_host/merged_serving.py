@@ -798,7 +798,14 @@ def phase_levers(work: MergedWork) -> int:
     baseline did not serve runs nothing else. Writes the product's record of everything measured so far
     (serving-levers.json) and its choice as this harness's overrides (levers-chosen.json)."""
     from ktflow.host import hardware
-    from ktflow.stages.serve.levers import BASELINE, COMBINED, combined_candidate, served_model
+    from ktflow.stages.serve.levers import (
+        BASELINE,
+        BASELINE_AGAIN,
+        COMBINED,
+        baseline_again,
+        combined_candidate,
+        served_model,
+    )
     from ktflow.store import read_manifest
 
     started = time.perf_counter()
@@ -822,6 +829,7 @@ def phase_levers(work: MergedWork) -> int:
                                                                  "by 3 % or more and were correct"})
         else:
             runs = [*runs, combined]
+    runs = [*runs, baseline_again(runs[0])]  # as the product: the step's baseline started again, last
     done = levers.setdefault(group, {})
     tokens = served_tokens(work)
     if not (BASELINE in done and done[BASELINE].get("ok")) and not work.args.again:
@@ -839,6 +847,9 @@ def phase_levers(work: MergedWork) -> int:
             notes["skipped"].append({"lever": name, "why": "not asked for this time (--levers)"})
             continue
         if name in done and done[name].get("ok") and not work.args.again:
+            continue
+        if name == BASELINE_AGAIN and not any(n not in (BASELINE, BASELINE_AGAIN) for n in done):
+            notes["skipped"].append({"lever": name, "why": "no other setting of this step was measured"})
             continue
         if name != BASELINE and not _served(lever_measurement(done["baseline"]) if "baseline" in done else None):
             notes["skipped"].append({"lever": name, "why": "this step's baseline was not measured or did not serve: "

@@ -188,6 +188,19 @@ def test_the_chosen_settings_and_the_combination(tmp_path: Path, monkeypatch: py
     assert ms.levers_chosen(record, where)["name"] == "combo/combined"
     assert ms.levers_chosen(record, where)["sets"] == ms.lever_sets(combined.candidate.updates)
     assert ServingLevers.model_validate_json(record.model_dump_json()) == record
+    # the gpu step's baseline started again measured 1.1x its first start: put on the reference's scale (44.0),
+    # which the chunks' 48.0 still beats by 3 %; at 1.2x (48.0) nothing does, and the recipe's settings stay
+    levers["gpu"]["baseline-again"] = {**_server(33.0), "candidate": {"name": "baseline-again",
+                                                                      "updates": {"mode": "merged"}, "why": "again"}}
+    del levers["combo"]
+    record, where = ms.lever_record(levers, candidates, recipe, host, model)
+    again = {r.candidate.name: r for r in record.runs}["baseline-again"]
+    assert again.measurement.decode_tokens_per_s == pytest.approx(44.0) and again.vs_baseline == 1.1
+    assert ms.levers_chosen(record, where)["name"] == "gpu/chunked-prefill-4096"
+    levers["gpu"]["baseline-again"].update(_server(36.0))
+    record, where = ms.lever_record(levers, candidates, recipe, host, model)
+    assert record.choice.name == "baseline" and ms.levers_chosen(record, where)["sets"] == []
+    assert "no setting beat them by 3% or more" in record.choice.reason
     # no baseline served: nothing chosen, the baseline's (empty) overrides
     record, where = ms.lever_record({"engine": {"baseline": _server(None), "deferral-1": _server(44.0)}},
                                     candidates, recipe, host, model)
@@ -249,7 +262,8 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
         _in_process(inside)
         assert run("levers", "--group", "engine") == 0
     levers = json.loads((results / "levers.json").read_text())["engine"]
-    assert set(levers) == {"baseline", "cuda-graphs-off"}
+    assert set(levers) == {"baseline", "cuda-graphs-off", "baseline-again"}  # the baseline's second start, last
+    assert list(levers)[-1] == "baseline-again" and levers["baseline-again"]["lever_sets"] == []
     base_argv, off_argv = levers["baseline"]["argv"], levers["cuda-graphs-off"]["argv"]
     assert "--disable-cuda-graph" not in base_argv and "--disable-cuda-graph" in off_argv
     assert "--lora-paths" not in base_argv  # merged: no LoRA flags

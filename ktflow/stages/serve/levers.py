@@ -340,6 +340,13 @@ def combined_candidate(runs: list[LeverRun], recipe: Recipe) -> LeverCandidate |
     return candidate
 
 
+def baseline_again(baseline: LeverCandidate) -> LeverCandidate:
+    """The baseline's configuration as the last candidate (:data:`BASELINE_AGAIN`): its second start."""
+    return LeverCandidate(name=BASELINE_AGAIN, updates=baseline.updates,
+                          why="the recipe's own settings started again after the others: how far two starts of one "
+                              "configuration differ on this host")
+
+
 def choose_settings(runs: list[LeverRun]) -> LeverChoice | None:
     """The fastest correct configuration measured that beats the recipe's own settings by :data:`LEVER_GAIN`
     (against the faster of the baseline's measurements: the first, and :data:`BASELINE_AGAIN` where it ran), else
@@ -417,9 +424,7 @@ def measure_levers(recipe: Recipe, candidates: list[LeverCandidate],
         run_one(combined)
     first = runs[0] if runs and runs[0].candidate.name == BASELINE else None
     if first is not None and first.correct:
-        run_one(LeverCandidate(name=BASELINE_AGAIN, updates=first.candidate.updates,
-                               why="the recipe's own settings started again after the others: how far two starts "
-                                   "of one configuration differ on this host"))
+        run_one(baseline_again(first.candidate))
     return ServingLevers(machine=machine, gpu=gpu, model=model, runs=runs, choice=choose_settings(runs),
                          measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
