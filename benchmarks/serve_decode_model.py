@@ -16,9 +16,9 @@ base model), CUDA graphs on.
   at the default threads is left to check it.
 - merged: the merged and the base slice at 1 and 2 MoE layers on the same two machines, least squares over the
   four. Checked on runs not used, at 1 MoE layer: the merged slice on a third machine (the levers' baseline), and on
-  a fourth the merged and base slices and the two starts of the default settings in its levers step (the second
-  with prefill chunks of 4096, which no prompt reached). The fourth machine's server with GPU experts is not a check:
-  the model has no term for them.
+  a fourth the two starts of the default settings in its levers step (the second with prefill chunks of 4096, which
+  no prompt reached). That machine's servers with GPU experts (its levers step's, and its side by side, which ran
+  with the chosen settings: 79 GPU experts, dynamic placement) are not checks: the model has no term for them.
 
     .venv/bin/python benchmarks/serve_decode_model.py    # prints the fit and the check, writes decode-model.json
 """
@@ -81,8 +81,6 @@ def main() -> int:
     four = SERVING / "h200-gpu-levers" / "servers"
     left_out = [_point(SERVING / "h200-formats-and-levers" / "servers" / "lever-engine-baseline-load.json",
                        "Kimi slice, 1 MoE layer, merged, the levers' baseline (machine B; 3 x 256 tokens)"),
-                _point(four / "load-merged-load.json", "Kimi slice, 1 MoE layer, merged (machine D)"),
-                _point(four / "load-base-load.json", "Kimi slice, 1 MoE layer, base model (machine D)"),
                 _point(four / "lever-gpu-baseline-load.json",
                        "Kimi slice, 1 MoE layer, merged, the gpu levers' baseline (machine D; 3 x 256 tokens)"),
                 _point(four / "lever-gpu-chunked-prefill-4096-load.json",

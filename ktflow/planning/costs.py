@@ -102,9 +102,9 @@ class CostModel(BaseModel):
     # on; the base model served the same way). benchmarks/serve_decode_model.py fits them at ktflow serve's default
     # threads (benchmarks/data/merged-serving/decode-model.json): the Kimi-K2.5 slice at 1 and 2 MoE layers on two H200
     # + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by least squares over
-    # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on five merged-mode runs not used, all at 1 MoE
-    # layer on two other machines: they decoded 1.01-1.21x the fit's rate (their tokens took 0.83-0.99x the predicted
-    # time), so at one layer the fit errs slow. A MoE layer costs both modes about two floors; the fits differ by a
+    # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on three merged runs not used, all at 1 MoE layer
+    # on two other machines: they decoded 1.01-1.10x the fit's rate (their tokens took 0.91-0.99x the predicted time),
+    # so at one layer the fit errs slow, if at all. A MoE layer costs both modes about two floors; the fits differ by a
     # fixed ~4.6 ms a token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter within the machines'
     # spread.
     serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00603, "merged": 0.00145})
@@ -177,7 +177,7 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
              f"read at {read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s "
              f"predicted ({token_s * 1e3:.2f} ms + {floors:.2f} floors a token: fitted at the default serving threads "
              "on Kimi-K2.5 slices of 1 and 2 MoE layers on 16-core hosts, "
-             + ("the merged fit checked on 5 runs not used, which decoded 1.01-1.21x its rate" if fit == "merged" else
+             + ("the merged fit checked on 3 runs not used, which decoded 1.01-1.10x its rate" if fit == "merged" else
                 "no run left to check this mode's fit")
              + "; benchmarks/data/merged-serving/decode-model.json)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,
