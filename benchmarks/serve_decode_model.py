@@ -87,9 +87,9 @@ def main() -> int:
                        "Kimi slice, 1 MoE layer, merged, prefill chunks 4096: the baseline's second start "
                        "(machine D; 3 x 256 tokens, no prompt over 512)")]
     fits = {"lora": _fit(lora), "merged": _fit(merged)}
+    predicted = [_predict(fits["merged"], c) for c in left_out]
     checks = [{"mode": "merged", "run": c["what"], "file": c["file"], "measured_ms": c["token_ms"],
-               "predicted_ms": _predict(fits["merged"], c),
-               "measured_over_predicted": c["token_ms"] / _predict(fits["merged"], c)} for c in left_out]
+               "predicted_ms": ms, "measured_over_predicted": c["token_ms"] / ms} for c, ms in zip(left_out, predicted)]
     doc = {"model": "seconds a token = token_s[mode] + floors[mode] x floor_s (floor_s at the plan's modelled "
                     f"read bandwidth for {THREADS} threads)",
            "threads": THREADS, "lora": {"fit": fits["lora"], "runs": lora},

@@ -802,6 +802,7 @@ def phase_levers(work: MergedWork) -> int:
         BASELINE,
         BASELINE_AGAIN,
         COMBINED,
+        OWN_SETTINGS,
         baseline_again,
         combined_candidate,
         served_model,
@@ -848,7 +849,7 @@ def phase_levers(work: MergedWork) -> int:
             continue
         if name in done and done[name].get("ok") and not work.args.again:
             continue
-        if name == BASELINE_AGAIN and not any(n not in (BASELINE, BASELINE_AGAIN) for n in done):
+        if name == BASELINE_AGAIN and not any(n not in OWN_SETTINGS for n in done):
             notes["skipped"].append({"lever": name, "why": "no other setting of this step was measured"})
             continue
         if name != BASELINE and not _served(lever_measurement(done["baseline"]) if "baseline" in done else None):

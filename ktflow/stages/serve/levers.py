@@ -52,6 +52,7 @@ DEFAULT_CONTEXT_TOKENS = 16 * 1024  # the KV pool a GPU share keeps room for whe
 AMX_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's AMX formats: the merge stage writes them, the GPU holds none
 BASELINE = "baseline"
 BASELINE_AGAIN = "baseline-again"  # the recipe's own settings started again after the others: the host's spread
+OWN_SETTINGS = (BASELINE, BASELINE_AGAIN)  # the runs of the recipe's own settings: references, never levers
 COMBINED = "combined"
 
 
@@ -321,7 +322,7 @@ def judge(candidate: LeverCandidate, measurement: LeverMeasurement,
 def combined_candidate(runs: list[LeverRun], recipe: Recipe) -> LeverCandidate | None:
     """The levers that each beat the baseline by :data:`LEVER_GAIN` or more and were correct, together (where
     two set one field, the faster one's value); None when fewer than two qualify. Refused if the recipe refuses."""
-    winners = sorted((r for r in runs if r.correct and r.candidate.name not in (BASELINE, BASELINE_AGAIN)
+    winners = sorted((r for r in runs if r.correct and r.candidate.name not in OWN_SETTINGS
                       and r.vs_baseline is not None and r.vs_baseline >= LEVER_GAIN), key=lambda r: -(r.vs_baseline or 0))
     if len(winners) < 2:
         return None
@@ -362,7 +363,7 @@ def choose_settings(runs: list[LeverRun]) -> LeverChoice | None:
     starts = (f"its two starts measured {base_rate:.1f} and {again_rate:.1f} tokens/s"
               if again_rate is not None else f"{base_rate:.1f} tokens/s")
     better = [r for r in runs if r.correct and r.measurement is not None and r.measurement.decode_tokens_per_s
-              and r.candidate.name not in (BASELINE, BASELINE_AGAIN)
+              and r.candidate.name not in OWN_SETTINGS
               and r.measurement.decode_tokens_per_s >= LEVER_GAIN * reference]
     if not better:
         return LeverChoice(name=BASELINE, updates={k: v for k, v in baseline.candidate.updates.items() if k != "mode"},
