@@ -15,10 +15,11 @@ base model), CUDA graphs on.
 - lora: the Kimi-K2.5 slice at 1 and 2 MoE layers (two H200 + 16-core machines), solved exactly. No LoRA-path run
   at the default threads is left to check it.
 - merged: the merged and the base slice at 1 and 2 MoE layers on the same two machines, least squares over the
-  four. Checked on runs not used, at 1 MoE layer: the merged slice on a third machine (the levers' baseline), and on
+  four. Checked on runs not used, at 1 MoE layer: the merged slice on a third machine (the levers' baseline), on
   a fourth the two starts of the default settings in its levers step (the second with prefill chunks of 4096, which
-  no prompt reached). That machine's servers with GPU experts (its levers step's, and its side by side, which ran
-  with the chosen settings: 79 GPU experts, dynamic placement) are not checks: the model has no term for them.
+  no prompt reached), and on a fifth the default settings' three starts and the slice merged as AMXINT4 and AMXINT8
+  (its methods step: the floor is each method's bytes). Servers with GPU experts are not checks: the model has no
+  term for them.
 
     .venv/bin/python benchmarks/serve_decode_model.py    # prints the fit and the check, writes decode-model.json
 """
@@ -79,13 +80,26 @@ def main() -> int:
               _point(two / "load-merged-load.json", "Kimi slice, 2 MoE layers, merged (machine C)"),
               _point(two / "load-base-load.json", "Kimi slice, 2 MoE layers, base model (machine C)")]
     four = SERVING / "h200-gpu-levers" / "servers"
+    five = SERVING / "h200-methods" / "servers"
     left_out = [_point(SERVING / "h200-formats-and-levers" / "servers" / "lever-engine-baseline-load.json",
                        "Kimi slice, 1 MoE layer, merged, the levers' baseline (machine B; 3 x 256 tokens)"),
                 _point(four / "lever-gpu-baseline-load.json",
                        "Kimi slice, 1 MoE layer, merged, the gpu levers' baseline (machine D; 3 x 256 tokens)"),
                 _point(four / "lever-gpu-chunked-prefill-4096-load.json",
                        "Kimi slice, 1 MoE layer, merged, prefill chunks 4096: the baseline's second start "
-                       "(machine D; 3 x 256 tokens, no prompt over 512)")]
+                       "(machine D; 3 x 256 tokens, no prompt over 512)"),
+                _point(five / "lever-methods-baseline-load.json",
+                       "Kimi slice, 1 MoE layer, merged, the methods levers' baseline (machine E; 3 x 256 tokens)"),
+                _point(five / "lever-methods-baseline-again-load.json",
+                       "Kimi slice, 1 MoE layer, merged, the same settings started again (machine E; 3 x 256 tokens)"),
+                _point(five / "lever-gpu-baseline-again-load.json",
+                       "Kimi slice, 1 MoE layer, merged, the same settings started a third time (machine E; "
+                       "3 x 256 tokens)"),
+                _point(five / "lever-methods-AMXINT4-load.json",
+                       "Kimi slice, 1 MoE layer, merged as AMXINT4 (machine E; 3 x 256 tokens)"),
+                _point(five / "lever-methods-AMXINT8-load.json",
+                       "Kimi slice, 1 MoE layer, merged as AMXINT8: twice the bytes a token (machine E; "
+                       "3 x 256 tokens)")]
     fits = {"lora": _fit(lora), "merged": _fit(merged)}
     predicted = [_predict(fits["merged"], c) for c in left_out]
     checks = [{"mode": "merged", "run": c["what"], "file": c["file"], "measured_ms": c["token_ms"],

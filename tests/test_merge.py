@@ -477,17 +477,49 @@ def test_the_plan_prices_each_merge_method_from_the_model_size() -> None:
     assert bf16.disk_bytes == 2 * size.parameters and bf16.seconds == bf16.disk_bytes / COSTS.dequantize_bytes_per_s
     assert int4.disk_bytes == size.stored_bytes < int8.disk_bytes < bf16.disk_bytes
     assert amx4.disk_bytes < int8.disk_bytes
-    assert int8.ram_bytes < 80 * GIB and int8.ram_bytes > 2 * experts // 60  # one MoE layer of BF16, not the model
-    assert all("no merge of this method timed" in e.basis for e in (bf16, int8, amx4))
-    # RAWINT4 at the one timed merge's rate: the experts' BF16 at 18.8 MB/s a core x 64, beside the write
-    assert int4.seconds == pytest.approx(size.stored_bytes / COSTS.dequantize_bytes_per_s
-                                         + 2 * experts / (COSTS.merge_int4_bytes_per_core_s * 64))
-    assert "one timed merge" in int4.basis and int4.ram_bytes < 40 * GIB  # a worker a core, one expert weight each
+    # a MoE layer's BF16 twice (the driver's buffers, kt-kernel's copy) and the quantized layer, not the model
+    assert 2 * (2 * experts // 60) < int8.ram_bytes < 90 * GIB and amx4.ram_bytes < int8.ram_bytes
+    assert "no merge of this method timed" in bf16.basis
+    assert not any("no merge of this method timed" in e.basis for e in (int4, int8, amx4))
+    # the quantized formats at the timed merges' rate: the experts' BF16 at 18.8 MB/s a core x 64, beside the write
+    merge_s = 2 * experts / (COSTS.merge_expert_bytes_per_core_s * 64)
+    assert int4.seconds == pytest.approx(size.stored_bytes / COSTS.dequantize_bytes_per_s + merge_s)
+    assert int8.seconds == amx4.seconds == pytest.approx(merge_s + 4 * size.non_expert_parameters
+                                                         / COSTS.dequantize_bytes_per_s)
+    assert "one timed RAWINT4 merge" in int4.basis and int4.ram_bytes < 40 * GIB  # a worker a core, one expert weight
     with pytest.raises(ValueError, match="unknown merge method"):
         merge_estimate(size, "FP8", cores=8)
 
 
 GIB = 1 << 30
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_the_amx_merge_estimate_is_held_to_its_timed_merges(method: str) -> None:
+    """The AMX merges of the Kimi-K2.5 slice (one MoE layer, 16 cores) timed on a GPU host: their peak RAM and disk
+    as the estimate gives them (within 2 %), their time within the 10 % the cost model's comment quotes."""
+    from ktflow.planning.merge_cost import merge_estimate
+    from ktflow.planning.sizing import ModelSize
+
+    data = REPO / "benchmarks/data/merged-serving/h200-methods"
+    fixture = json.loads((data / "fixture.json").read_text())
+    dims = fixture["dims"]
+    experts = dims["n_routed_experts"] * 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
+    size = ModelSize(path="slice", parameters=fixture["parameters"], hidden_size=dims["hidden_size"],
+                     num_layers=dims["num_hidden_layers"], vocab_size=dims["vocab_size"], linear_shapes={},
+                     expert_parameters=experts, moe_layers=1, routed_experts=dims["n_routed_experts"],
+                     experts_per_token=dims["num_experts_per_tok"])
+    levers = json.loads((data / "levers.json").read_text())
+    # AMXINT4 made by its own merge step; AMXINT8 inside the methods step (its merge step ran before the serving
+    # toolchain it needs was installed, and said so)
+    merge = (json.loads((data / "merge-AMXINT4.json").read_text()) if method == "AMXINT4"
+             else levers["methods"]["AMXINT8"]["merge"])
+    made = merge["made"]
+    assert made["outcome"] == "ok"
+    estimate = merge_estimate(size, method, cores=16)
+    assert made["peak_host_rss_gib"] * GIB == pytest.approx(estimate.ram_bytes, rel=0.02)
+    assert merge["bytes_on_disk"] == pytest.approx(estimate.disk_bytes, rel=0.02)
+    assert 0.95 < made["wall_s"] / estimate.seconds < 1.11
 
 
 def test_the_merge_command_merges_and_says_how_to_serve_it(fixture_dir, tmp_path: Path, capsys) -> None:

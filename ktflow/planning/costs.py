@@ -19,8 +19,10 @@ from ktflow.units import GB
 
 # Bytes a routed-expert parameter occupies in KT's CPU RAM, by kt-kernel's expert weight format:
 # packed INT4 with a BF16 scale per group of 32 (Kimi's RAWINT4: 0.5 + 2/32), FP8 with its block
-# scales, INT8 with per-row scales, MXFP4 with a scale byte per 32. The bytes floor is reported with these.
-KT_BYTES_PER_PARAM: dict[str, float] = {"rawint4": 0.5625, "mxfp4": 0.53125, "int8": 1.0, "fp8": 1.0, "bf16": 2.0}
+# scales, INT8 and INT4 (kt-kernel's AMXINT8 and AMXINT4) with per-row scales, MXFP4 with a scale byte per 32. The
+# bytes floor is reported with these.
+KT_BYTES_PER_PARAM: dict[str, float] = {"rawint4": 0.5625, "mxfp4": 0.53125, "int8": 1.0, "int4": 0.5, "fp8": 1.0,
+                                        "bf16": 2.0}
 
 
 class CostModel(BaseModel):
@@ -85,12 +87,15 @@ class CostModel(BaseModel):
     # reads BF16 experts at 0.14 GB/s per core (2-core box: 1.61 GB in 5.65 s); README's figures.
     dequantize_bytes_per_s: float = 2.5e9
     quantize_bytes_per_core_s: float = 0.14e9
-    # The merge stage re-encoding Kimi INT4 experts with their LoRA merged (decode, float64 W += B @ A, the INT4 scale
-    # search, encode), bytes of the experts' BF16 a core-second: one timed merge, the Kimi-K2.5 slice at 1 MoE layer
-    # (33.8 GB of expert BF16, 118.8 s on 16 cores of an H100 host's AMX Xeon, every expert with LoRA, its 15.6 GB
-    # written at dequantize's rate; benchmarks/data/merged-serving/serving/merge-RAWINT4.json). Not checked on
-    # another run.
-    merge_int4_bytes_per_core_s: float = 18.8e6
+    # The merge stage merging the experts' LoRA into a quantized format, bytes of the experts' BF16 a core-second:
+    # fitted on one timed merge re-encoding Kimi INT4 (decode, float64 W += B @ A, the INT4 scale search, encode), the
+    # Kimi-K2.5 slice at 1 MoE layer (33.8 GB of expert BF16, 118.8 s on 16 cores of an H100 host's AMX Xeon, every
+    # expert with LoRA, its 15.6 GB written at dequantize's rate; benchmarks/data/merged-serving/serving/). Five more
+    # RAWINT4 merges of that slice, not used, on four H200 machines and another H100 took 0.95-1.48x the estimate
+    # (median 1.08x). The AMXINT8 and AMXINT4 merges of the same slice (one H200 machine, h200-methods/) took 1.10x
+    # and 1.00x the estimate at this rate: the LoRA merge of each expert sets the pace there too, not kt-kernel's
+    # quantizer (quantize-int8's rate above would give 15 s), so they are priced with it.
+    merge_expert_bytes_per_core_s: float = 18.8e6
     # KT SFT on several GPUs (sft.gpus > 1, the recipe's batch split over them): tokens/s relative to one GPU.
     # Fitted on the tiny recipes on 2 x H200 (BF16 0.61x, RAWINT4 0.65x); checked on the 57B bigger-than-GPU
     # model on 4 x H200, not used to fit: 0.66x on 2 GPUs, 0.65x on 4 (benchmarks/data/multi-gpu).
@@ -102,11 +107,12 @@ class CostModel(BaseModel):
     # on; the base model served the same way). benchmarks/serve_decode_model.py fits them at ktflow serve's default
     # threads (benchmarks/data/merged-serving/decode-model.json): the Kimi-K2.5 slice at 1 and 2 MoE layers on two H200
     # + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by least squares over
-    # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on three merged runs not used, all at 1 MoE layer
-    # on two other machines: they decoded 1.01-1.10x the fit's rate (their tokens took 0.91-0.99x the predicted time),
-    # so at one layer the fit errs slow, if at all. A MoE layer costs both modes about two floors; the fits differ by a
-    # fixed ~4.6 ms a token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter within the machines'
-    # spread.
+    # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on eight merged runs not used, all at 1 MoE layer
+    # on three other machines: in the 4-bit formats (RAWINT4, AMXINT4) they decoded 1.01-1.18x the fit's rate, so at
+    # one layer the fit errs slow; AMXINT8, twice the bytes, decoded 1.31x it: a MoE layer's cost grew by about one
+    # floor for the extra bytes, not two, so part of the "floors" is a per-layer cost that does not scale with bytes
+    # (one run: not refitted). A MoE layer costs both modes about two floors; the fits differ by a fixed ~4.6 ms a
+    # token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter within the machines' spread.
     serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00603, "merged": 0.00145})
     serve_decode_floors: dict[str, float] = Field(default_factory=lambda: {"lora": 2.149, "merged": 2.006})
     # The highest read bandwidth measured on any host (GB/s; the 64-core host above): the power law of
@@ -137,7 +143,8 @@ COSTS = CostModel()
 # Bytes a routed-expert parameter occupies as sglang-kt's --kt-method reads it from CPU RAM: its expert format's.
 SERVE_BYTES_PER_PARAM: dict[str, float] = {
     method: KT_BYTES_PER_PARAM[fmt]
-    for method, fmt in {"RAWINT4": "rawint4", "AMXINT8": "int8", "FP8": "fp8", "BF16": "bf16", "AMXBF16": "bf16"}.items()}
+    for method, fmt in {"RAWINT4": "rawint4", "AMXINT8": "int8", "AMXINT4": "int4", "FP8": "fp8", "BF16": "bf16",
+                        "AMXBF16": "bf16"}.items()}
 
 
 class DecodeEstimate(BaseModel):
@@ -151,6 +158,10 @@ class DecodeEstimate(BaseModel):
     tokens_per_s: float  # a fixed cost a token + a multiple of the floor, by mode (CostModel.serve_decode_*)
     basis: str
 
+
+# What the merged decode fit's checks on runs not used measured (benchmarks/data/merged-serving/decode-model.json):
+# how many, and their decode over the fit's rate in the 4-bit formats and in AMXINT8. The plan's basis quotes them.
+DECODE_CHECKS, DECODE_CHECKED_4BIT, DECODE_CHECKED_INT8 = 8, "1.01-1.18", "1.31"
 
 SERVE_DECODE_MODES = {"lora": "lora", "merged": "merged", "base": "merged"}
 """Serving modes and the decode constants each uses: the base model is served as merged weights are (graphs on)."""
@@ -177,7 +188,9 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
              f"read at {read:.0f} GB/s ({threads} threads) is a floor of {floor:.1f} tokens/s; ~{rate:.1f} tokens/s "
              f"predicted ({token_s * 1e3:.2f} ms + {floors:.2f} floors a token: fitted at the default serving threads "
              "on Kimi-K2.5 slices of 1 and 2 MoE layers on 16-core hosts, "
-             + ("the merged fit checked on 3 runs not used, which decoded 1.01-1.10x its rate" if fit == "merged" else
+             + (f"the merged fit checked on {DECODE_CHECKS} runs not used, which decoded {DECODE_CHECKED_4BIT}x its rate "
+                f"in 4-bit formats and {DECODE_CHECKED_INT8}x in AMXINT8 (the floors overstate more bytes)"
+                if fit == "merged" else
                 "no run left to check this mode's fit")
              + "; benchmarks/data/merged-serving/decode-model.json)")
     return DecodeEstimate(method=method, active_bytes_per_token=active, read_gb_s=round(read, 1), threads=threads,

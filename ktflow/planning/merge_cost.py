@@ -1,10 +1,9 @@
 """What the merge stage costs a host, by output method: time, disk and peak RAM, from a model's size.
 
-The INT4 re-encode (RAWINT4) runs at its own measured per-core rate (``CostModel.merge_int4_bytes_per_core_s``,
-one timed merge); the other rates are the closest stages' measured ones (:class:`~ktflow.planning.costs.CostModel`):
-writing a BF16 or INT4 checkpoint at the dequantize stage's durable write rate (the same streaming writer; the
-merge's float64 product of a rank-r LoRA is small next to the write), and handing experts to kt-kernel's quantizer
-at quantize-int8's per-core rate (the same driver, which also merges each expert before quantizing).
+Merging the experts' LoRA into a quantized format (RAWINT4, AMXINT8, AMXINT4) runs at one measured per-core rate
+(``CostModel.merge_expert_bytes_per_core_s``: fitted on a RAWINT4 merge, the AMX formats' merges timed at the same
+pace); BF16 is priced at the dequantize stage's durable write rate (the same streaming writer; the merge's float64
+product of a rank-r LoRA is small next to the write), no BF16 merge of a large model having been timed.
 """
 
 from __future__ import annotations
@@ -16,6 +15,9 @@ from ktflow.planning.sizing import ModelSize
 from ktflow.units import GB, GiB
 
 _RUNTIME_BYTES = GiB  # python + torch (+ kt-kernel): the merge's own footprint
+# What the quantized formats' merge rate rests on (CostModel.merge_expert_bytes_per_core_s), as the plan quotes it
+_MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; five more took 0.95-1.48x the "
+                     "estimate, the AMXINT8 and AMXINT4 merges 1.10x and 1.00x")
 # What a merge worker holds per parameter of the weight it makes: float64 (the merge), BF16 and float32 (the encoder)
 MERGE_WORKER_BYTES_PER_PARAM = 8 + 2 + 4
 
@@ -46,7 +48,8 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
     # the stage runs a worker a core: the embedding copied (read and written) beside one expert weight a core
     in_flight = 2 * embedding + cores * matrix * MERGE_WORKER_BYTES_PER_PARAM
     write_rate = costs.dequantize_bytes_per_s
-    quant_rate = costs.quantize_bytes_per_core_s * cores
+    merge_per_core = costs.merge_expert_bytes_per_core_s
+    merge_rate = merge_per_core * cores
     if method == "BF16":
         disk = expert_bf16 + non_expert_bf16
         seconds = disk / write_rate
@@ -54,26 +57,27 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
         basis = f"{disk / GB:.0f} GB of BF16 written at {write_rate / GB:.1f} GB/s (dequantize's rate)"
     elif method == "RAWINT4":
         disk = size.stored_bytes
-        encode_rate = costs.merge_int4_bytes_per_core_s
-        seconds = disk / write_rate + expert_bf16 / (encode_rate * cores)
+        seconds = disk / write_rate + expert_bf16 / merge_rate
         ram = in_flight + _RUNTIME_BYTES
         basis = (f"{disk / GB:.0f} GB written at {write_rate / GB:.1f} GB/s (dequantize's rate) + the experts' "
-                 f"{expert_bf16 / GB:.0f} GB of BF16 merged and re-encoded as INT4 at {encode_rate / 1e6:.1f} MB/s a "
-                 f"core x {cores} (one timed merge: the Kimi-K2.5 slice on a 16-core host)")
+                 f"{expert_bf16 / GB:.0f} GB of BF16 merged and re-encoded as INT4 at {merge_per_core / 1e6:.1f} MB/s "
+                 f"a core x {cores} ({_MERGE_RATE_BASIS})")
     elif method in ("AMXINT8", "AMXINT4"):
         bits = 8 if method == "AMXINT8" else 4
         # per output row one fp32 scale: ~4 bytes per moe_intermediate (or hidden) weights, under 1 %
         experts = size.expert_parameters * bits // 8 + size.expert_parameters // 256
         disk = experts + 2 * non_expert_bf16  # the non-expert checkpoint, and its copy in kt/ as quantize-int8 has it
-        seconds = expert_bf16 / quant_rate + 2 * non_expert_bf16 / write_rate
+        seconds = expert_bf16 / merge_rate + 2 * non_expert_bf16 / write_rate
         layer_bf16, layer_quant = expert_bf16 // layers, experts // layers
-        ram = layer_bf16 + 2 * layer_quant + _RUNTIME_BYTES
-        basis = (f"the experts' {expert_bf16 / GB:.0f} GB of BF16 through kt-kernel's {method} quantizer at "
-                 f"{costs.quantize_bytes_per_core_s / GB:.2f} GB/s a core x {cores} (quantize-int8's rate, T="
-                 f"{threadpool_count}) + {2 * non_expert_bf16 / GB:.0f} GB of non-expert BF16 written; one MoE layer "
-                 "in RAM")
+        # a MoE layer at a time: its merged BF16 in the driver's buffers, kt-kernel's own copy while it quantizes,
+        # the quantized layer (the slice's AMXINT4 / AMXINT8 merges peaked at 77.7 / 85.9 GB: 1.01x / 1.00x this)
+        ram = 2 * layer_bf16 + layer_quant + _RUNTIME_BYTES
+        basis = (f"the experts' {expert_bf16 / GB:.0f} GB of BF16 merged and quantized by kt-kernel's {method} "
+                 f"quantizer (T={threadpool_count}) at {merge_per_core / 1e6:.1f} MB/s a core x {cores} "
+                 f"({_MERGE_RATE_BASIS}) + {2 * non_expert_bf16 / GB:.0f} GB of non-expert BF16 written; a MoE "
+                 f"layer's BF16 twice in RAM ({layer_bf16 / GB:.0f} GB each)")
     else:
         raise ValueError(f"unknown merge method {method!r}")
     return MergeEstimate(method=method, seconds=seconds, disk_bytes=int(disk), ram_bytes=int(ram),
-                         basis=basis + ("" if method == "RAWINT4" else
-                                        "; derived from other stages' measured rates, no merge of this method timed"))
+                         basis=basis + ("; derived from another stage's measured rate, no merge of this method timed"
+                                        if method == "BF16" else ""))
