@@ -52,6 +52,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -976,6 +977,88 @@ def phase_load(work: MergedWork) -> int:
     return status
 
 
+ALTERNATE_MODELS = ("merged", "base")
+
+
+def alternate_order(first: str, starts: int) -> list[str]:
+    """The models an ``alternate`` step starts, in turn from ``first``: merged, base, merged, base for 4."""
+    if first not in ALTERNATE_MODELS:
+        raise SystemExit(f"alternate --first: {first!r} is not one of {list(ALTERNATE_MODELS)}")
+    if starts < 2 or starts % 2:
+        raise SystemExit(f"alternate --starts: {starts} is not an even number of 2 or more (each model as often)")
+    other = next(m for m in ALTERNATE_MODELS if m != first)
+    return [first if i % 2 == 0 else other for i in range(starts)]
+
+
+def alternate_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The merged-vs-base gap against the spread between starts of one model: each model's decode at concurrency 1
+    over its starts (median and range), merged / base of the medians, and each model's own spread (its fastest start
+    over its slowest). A gap no wider than the models' own spread is the machine's, not merging's."""
+    rates: dict[str, list[float]] = {m: [] for m in ALTERNATE_MODELS}
+    for start in starts:
+        if start.get("decode_tokens_per_s"):
+            rates[start["what"]].append(start["decode_tokens_per_s"])
+    models = {m: {"starts": len(r), "median": statistics.median(r) if r else None,
+                  "range": [min(r), max(r)] if r else None,
+                  "own_spread": max(r) / min(r) if len(r) > 1 else None} for m, r in rates.items()}
+    merged, base = models["merged"]["median"], models["base"]["median"]
+    ratio = merged / base if merged and base else None
+    spreads = [m["own_spread"] for m in models.values() if m["own_spread"]]
+    return {"models": models, "merged_over_base": ratio, "within_10_percent": None if ratio is None else ratio >= 0.9,
+            "gap_wider_than_own_spread": None if ratio is None or len(spreads) < 2
+            else max(ratio, 1 / ratio) > max(spreads)}
+
+
+def phase_alternate(work: MergedWork) -> int:
+    """Item 5's merged-vs-base gap against the spread between two starts of one server: the merged model and the
+    base model, both with the chosen settings (levers-chosen.json), started in turn (``--starts``, ``--first``) and
+    each measured as a lever is (concurrency 1, 3 requests of 256 tokens) into results/alternate.json, with
+    :func:`alternate_summary`. Starts measured before are kept (a step cut short goes on); ``--again``: from the
+    start."""
+    started = time.perf_counter()
+    chosen_path = work.results / "levers-chosen.json"
+    chosen = json.loads(chosen_path.read_text()) if chosen_path.is_file() else {"name": "default", "sets": []}
+    path = work.results / "alternate.json"
+    doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() and not work.args.again else {}
+    order = alternate_order(work.args.first, work.args.starts)
+    if doc.get("order") != order or doc.get("chosen") != chosen:
+        doc = {"order": order, "chosen": chosen, "starts": []}
+    tokens = served_tokens(work)
+    extra = list(chosen["sets"])
+    status = 0
+    for index, what in enumerate(order):
+        if index < len(doc["starts"]) and doc["starts"][index].get("ok"):
+            continue
+        del doc["starts"][index:]
+        left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
+        need = START_S.get(work.moe_layers, 100.0) + LEVER_S
+        if left < need:
+            doc["skipped"] = f"starts {index + 1}-{len(order)}: {left:.0f} s left, ~{need:.0f} s each: run the step again"
+            break
+        merge = timed_merge(work, kt_method_of(extra), extra, limit_s=left - need) if what == "merged" else None
+        spec = server_spec(work, what, f"alternate-{index + 1}-{what}", extra, tokens=tokens, load_args=LEVER_ARGS)
+        room = room_for(work, spec)
+        if not room["fits"]:
+            doc["starts"].append({"what": what, "ok": False, "error": "not enough disk", "room": room})
+            status = 1
+            break
+        got = run_server(work, spec, limit_s=big.PHASE_LIMIT_S - (time.perf_counter() - started))
+        one = next((lv for lv in got.get("levels") or [] if lv["concurrency"] == 1), {})
+        doc["starts"].append({"what": what, "ok": bool(got.get("ok")), "decode_tokens_per_s": _decode(got),
+                              "ttft_p50_s": (one.get("ttft_s") or {}).get("p50"),
+                              "distinct_share": one.get("distinct_share_median"), "ready_s": got.get("ready_s"),
+                              "server": spec["out"], "merge": merge, "error": got.get("error")})
+        status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
+        doc.pop("skipped", None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    doc["summary"] = alternate_summary(doc["starts"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"alternate: {json.dumps(doc['summary'])}")
+    return status
+
+
 def load_table(doc: dict[str, Any]) -> dict[str, Any]:
     """The side by side's figures: per server and level, decode tokens/s and TTFT, the floor, and the targets' ratios."""
     rows: dict[str, Any] = {}
@@ -1196,6 +1279,7 @@ def phase_report(work: MergedWork) -> int:
     summary = {
         "moe_layers": work.moe_layers,
         "item5_side_by_side": load_table(load) if load else None,
+        "item5_alternate_starts": (read("alternate.json") or {}).get("summary"),
         "item3_levers": {g: {n: {"decode_c1": _decode(d), "ready_s": d.get("ready_s"), "ok": d.get("ok"),
                                  "served_loss": (d.get("served_loss") or {}).get("loss"),
                                  "merge_s": ((d.get("merge") or {}).get("made") or {}).get("wall_s")
@@ -1235,7 +1319,8 @@ def _rehearsal_gpu() -> None:
 
 
 PHASES = {"fixture": phase_fixture, "adapter": phase_adapter, "merge": phase_merge, "levers": phase_levers,
-          "load": phase_load, "check": phase_check, "report": phase_report, "clean": phase_clean}
+          "load": phase_load, "alternate": phase_alternate, "check": phase_check, "report": phase_report,
+          "clean": phase_clean}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1262,6 +1347,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="load: which servers, in this order (default lora,merged,base); check: which of the "
                              "fixture's servers (default all: lora and each merged format)")
     parser.add_argument("--name", default="bf16", choices=tuple(TINY_BASES), help="check: which tiny fixture")
+    parser.add_argument("--starts", type=int, default=4, help="alternate: how many starts in all (even)")
+    parser.add_argument("--first", default="base", choices=ALTERNATE_MODELS, help="alternate: which model starts first")
     parser.add_argument("--again", action="store_true", help="measure again what was measured before")
     parser.add_argument("--bandwidth-gib", type=float, default=4.0, help="the read-bandwidth buffer (GiB)")
     args = parser.parse_args(argv)

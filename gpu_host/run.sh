@@ -26,9 +26,10 @@
 #                                       the disk allows; VIEW_ROOT=/dev/shm/ktflow-views: the served models' views in
 #                                       RAM, for every merged step) merged-adapter (RANDOM_ADAPTER=1: random LoRA, no training)
 #                                       merged-merge (METHOD=M, default RAWINT4) merged-levers-GROUP (engine gpu threads
-#                                       methods combo) merged-load (ONLY=lora,merged,base) merged-check-NAME (bf16,
-#                                       rawint4: served = trained for each merged format; ONLY=merged-BF16,... some
-#                                       of its servers) merged-report merged-clean
+#                                       methods combo) merged-load (ONLY=lora,merged,base) merged-alternate (merged
+#                                       and base with the chosen settings started in turn: STARTS=4, FIRST=base)
+#                                       merged-check-NAME (bf16, rawint4: served = trained for each merged format;
+#                                       ONLY=merged-BF16,... some of its servers) merged-report merged-clean
 #                                       pack-merged (the results into $RESULTS_OUT/merged-results.tar.gz)
 #                                serving with SGLang (sglang-kt 0.7.2 + KT CPU experts + the converted adapter):
 #                                       serve-setup  serve-jit (sglang's Marlin MoE kernel for GPU experts, built
@@ -354,6 +355,7 @@ for s in "${steps[@]}"; do
     merged-merge) merged merge ${METHOD:+--method "$METHOD"} || status=1 ;;
     merged-levers-*) serve_env; merged levers --group "${s#merged-levers-}" ${LEVERS:+--levers "$LEVERS"} || status=1 ;;
     merged-load) serve_env; merged load ${ONLY:+--only "$ONLY"} || status=1 ;;
+    merged-alternate) serve_env; merged alternate ${STARTS:+--starts "$STARTS"} ${FIRST:+--first "$FIRST"} || status=1 ;;
     merged-check-*) serve_env; merged check --name "${s#merged-check-}" ${ONLY:+--only "$ONLY"} || status=1 ;;
     merged-report) merged report || status=1 ;;
     merged-clean) merged clean ;;

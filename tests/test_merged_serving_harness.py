@@ -211,7 +211,7 @@ def test_the_chosen_settings_and_the_combination(tmp_path: Path, monkeypatch: py
 def test_run_sh_names_every_phase() -> None:
     text = (REPO / "gpu_host" / "run.sh").read_text()
     for step in ("merged-fixture", "merged-adapter", "merged-merge", "merged-levers-*", "merged-load",
-                 "merged-check-*", "merged-report", "pack-merged"):
+                 "merged-alternate", "merged-check-*", "merged-report", "pack-merged"):
         assert f"    {step})" in text, step
     assert "merged" in (REPO / "gpu_host" / "run.sh").read_text().split("steps=(")[0]  # the function's defined first
 
@@ -305,6 +305,16 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     # what each server generated, as repetition: the stand-in's completions share no chunk
     assert all(0 < lv["distinct_share"] <= 1 for s in summary["servers"].values() for lv in s["levels"].values())
 
+    # item 5's gap against the spread between starts: base and merged in turn, the chosen settings
+    with monkeypatch.context() as inside:
+        _in_process(inside)
+        assert run("alternate", "--starts", "2") == 0
+    alternate = json.loads((results / "alternate.json").read_text())
+    assert alternate["order"] == ["base", "merged"] and alternate["chosen"] == chosen
+    assert [s["what"] for s in alternate["starts"]] == ["base", "merged"] and all(s["ok"] for s in alternate["starts"])
+    assert Path(alternate["starts"][1]["server"]).name == "alternate-2-merged.json"
+    assert alternate["summary"]["merged_over_base"] > 0
+
     # item 4: the tiny BF16 fixture, its converted adapter, loss_check's outputs where run.sh leaves them
     bf16 = fixture_dir("bf16")
     monkeypatch.setattr(ms, "TINY_BASES", {"bf16": bf16})
@@ -346,6 +356,31 @@ def test_phases_rehearsed_with_the_stand_in_server(harness, fixture_dir, monkeyp
     report = json.loads((results / "summary.json").read_text())
     assert report["item5_side_by_side"]["servers"]["merged"]["ok"] and "engine" in report["item3_levers"]
     assert "bf16" in report["item4_served_equals_trained"]
+
+
+def test_alternate_starts_take_turns_and_weigh_the_gap_against_each_models_own_spread() -> None:
+    assert ms.alternate_order("base", 4) == ["base", "merged", "base", "merged"]
+    assert ms.alternate_order("merged", 2) == ["merged", "base"]
+    for bad in (3, 0):
+        with pytest.raises(SystemExit, match="even number"):
+            ms.alternate_order("base", bad)
+    with pytest.raises(SystemExit, match="not one of"):
+        ms.alternate_order("lora", 2)
+
+    def starts(*pairs: tuple[str, float | None]) -> list[dict]:
+        return [{"what": w, "decode_tokens_per_s": r} for w, r in pairs]
+
+    # merged 0.80x the base model while each model's own starts are within 2 %: the gap is merging's
+    wide = ms.alternate_summary(starts(("base", 200.0), ("merged", 160.0), ("base", 204.0), ("merged", 162.0)))
+    assert wide["merged_over_base"] == pytest.approx(161.0 / 202.0)
+    assert wide["within_10_percent"] is False and wide["gap_wider_than_own_spread"] is True
+    assert wide["models"]["base"]["range"] == [200.0, 204.0] and wide["models"]["base"]["starts"] == 2
+    # 0.93x with starts of one model 10 % apart: no wider than the machine's own spread
+    noise = ms.alternate_summary(starts(("base", 200.0), ("merged", 190.0), ("base", 220.0), ("merged", 200.0)))
+    assert noise["within_10_percent"] is True and noise["gap_wider_than_own_spread"] is False
+    # a start that measured nothing is left out, and one start a model says nothing of its spread
+    one = ms.alternate_summary(starts(("base", 200.0), ("merged", None), ("base", 210.0), ("merged", 190.0)))
+    assert one["models"]["merged"]["starts"] == 1 and one["gap_wider_than_own_spread"] is None
 
 
 def test_a_phase_out_of_time_says_what_it_left_and_goes_on_when_run_again(
