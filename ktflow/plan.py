@@ -39,6 +39,7 @@ from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_
 from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate, serve_decode_estimate
 from ktflow.planning.host_probe import ProbeScale, probe_scale
 from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, host_records, kt_threads
+from ktflow.planning.merge_cost import kt_quantizer_layer_ram
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe
@@ -230,8 +231,10 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
     elif line.stage == "quantize-int8":
         expert_bf16 = 2 * size.expert_parameters
         line.disk_bytes = size.expert_parameters + size.expert_parameters // 16  # INT8 + scales
-        ram = RamNeed(bytes=2 * expert_bf16 // max(size.moe_layers, 1), what="quantize-int8",
-                      why="one MoE layer's BF16 experts and their INT8")
+        layer_bf16 = expert_bf16 // max(size.moe_layers, 1)
+        ram = RamNeed(bytes=kt_quantizer_layer_ram(layer_bf16, layer_bf16 // 2, scratch_in_ram=True) + GiB,
+                      what="quantize-int8", why="one MoE layer's BF16 experts twice (the driver's and kt-kernel's as "
+                                                 "it quantizes), their INT8 and its scratch in /dev/shm, ~1 GiB of runtime")
         line.seconds = expert_bf16 / (costs.quantize_bytes_per_core_s * host.physical_cores)
         line.time_basis = f"{costs.quantize_bytes_per_core_s / GB:.2f} GB/s of BF16 experts per core"
         line.summary = (f"INT8 experts for serving, {costs.quantize_bytes_per_core_s / GB:.2f} GB/s of BF16 a core "

@@ -22,6 +22,15 @@ _MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; 
 MERGE_WORKER_BYTES_PER_PARAM = 8 + 2 + 4
 
 
+def kt_quantizer_layer_ram(layer_bf16: int, layer_quant: int, *, scratch_in_ram: bool) -> int:
+    """RAM kt-kernel's quantizer driver (``ktflow/_drivers/kt_int8.py``: quantize-int8, and the merge into AMXINT8
+    or AMXINT4) holds for one MoE layer, beside its runtime: the layer's BF16 experts twice (the driver's buffers,
+    and a second copy while kt-kernel quantizes them), the quantized layer, and that again where kt-kernel's scratch
+    is a tmpfs. Measured on the Kimi-K2.5 slice's AMXINT4 and AMXINT8 merges: 77.7 and 85.9 GB peak RSS, 1.01x and
+    1.00x this with the runtime (RSS does not count a tmpfs)."""
+    return 2 * layer_bf16 + layer_quant * (2 if scratch_in_ram else 1)
+
+
 class MergeEstimate(BaseModel):
     """One merge of an adapter into ``size``'s model, as ``method`` serves it."""
 
@@ -69,13 +78,13 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
         disk = experts + 2 * non_expert_bf16  # the non-expert checkpoint, and its copy in kt/ as quantize-int8 has it
         seconds = expert_bf16 / merge_rate + 2 * non_expert_bf16 / write_rate
         layer_bf16, layer_quant = expert_bf16 // layers, experts // layers
-        # a MoE layer at a time: its merged BF16 in the driver's buffers, kt-kernel's own copy while it quantizes,
-        # the quantized layer (the slice's AMXINT4 / AMXINT8 merges peaked at 77.7 / 85.9 GB: 1.01x / 1.00x this)
-        ram = 2 * layer_bf16 + layer_quant + _RUNTIME_BYTES
+        # kt-kernel's scratch in /dev/shm, the stage's default where it fits
+        ram = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=True) + _RUNTIME_BYTES
         basis = (f"the experts' {expert_bf16 / GB:.0f} GB of BF16 merged and quantized by kt-kernel's {method} "
                  f"quantizer (T={threadpool_count}) at {merge_per_core / 1e6:.1f} MB/s a core x {cores} "
                  f"({_MERGE_RATE_BASIS}) + {2 * non_expert_bf16 / GB:.0f} GB of non-expert BF16 written; a MoE "
-                 f"layer's BF16 twice in RAM ({layer_bf16 / GB:.0f} GB each)")
+                 f"layer's BF16 twice in RAM ({layer_bf16 / GB:.0f} GB each) beside its quantized form and "
+                 "kt-kernel's scratch of it in /dev/shm")
     else:
         raise ValueError(f"unknown merge method {method!r}")
     return MergeEstimate(method=method, seconds=seconds, disk_bytes=int(disk), ram_bytes=int(ram),

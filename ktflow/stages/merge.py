@@ -73,7 +73,7 @@ from ktflow.formats.safetensors_io import (
 )
 from ktflow.host.hardware import physical_cores
 from ktflow.host.process import single_thread_torch
-from ktflow.planning.merge_cost import MERGE_WORKER_BYTES_PER_PARAM
+from ktflow.planning.merge_cost import MERGE_WORKER_BYTES_PER_PARAM, kt_quantizer_layer_ram
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -327,9 +327,11 @@ def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
     """The host's CPU (kt-kernel formats), RAM for a few tensors per worker (or one MoE layer), disk for the output."""
     workers = _workers(request)
     if sizes.method in KT_METHODS:
-        ram = sizes.layer_bf16_bytes + 2 * sizes.layer_quant_bytes + _DRIVER_BASE_BYTES
-        why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts + its quantized form in "
-               "kt-kernel and its scratch + ~1 GiB for python, torch and kt-kernel")
+        ram = kt_quantizer_layer_ram(sizes.layer_bf16_bytes, sizes.layer_quant_bytes, scratch_in_ram=True)
+        ram += _DRIVER_BASE_BYTES
+        why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts twice (the driver's and "
+               "kt-kernel's as it quantizes) + its quantized form in kt-kernel and its scratch + ~1 GiB for python, "
+               "torch and kt-kernel")
         host: HostRequirement | None = _AMX_CPU
     else:
         # each worker holds one item: a weight as read, its float64 merge and the result
@@ -646,7 +648,8 @@ def _driver_plan(job: _Job, staging: Path) -> dict[str, Any]:
         scratch_dir=request.scratch_dir), layer_quant)
     per_process = request.layers_per_process
     if per_process is None:
-        room = job.host.ram_available_bytes * 0.8 - (layer_bf16 + layer_quant * (2 if on_tmpfs else 1)) - _DRIVER_BASE_BYTES
+        working = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=on_tmpfs)
+        room = job.host.ram_available_bytes * 0.8 - working - _DRIVER_BASE_BYTES
         per_process = max(1, int(room // max(layer_quant, 1)))
     non_expert = [[_kt_name(name), shard, name] for shard, items in job.plans.items()
                   for item in items for name, _, _ in item.outputs]

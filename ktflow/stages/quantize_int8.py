@@ -75,6 +75,7 @@ from ktflow.formats.checkpoint import (
 from ktflow.formats.kt_layout import PROJS, slice_sizes
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
+from ktflow.planning.merge_cost import kt_quantizer_layer_ram
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import INT8_KERNELS, QUANTIZE_INT8_STAGE, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -327,16 +328,17 @@ class QuantizeInt8Sizes(BaseModel):
 def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) -> Resources:
     """kt-kernel's INT8 kernels; RAM and scratch for one layer at a time; disk for the output.
 
-    kt-kernel holds one layer's BF16 experts and its INT8 (plus the same again when its scratch is
-    a tmpfs, whose pages are RAM) beside ~1 GiB of python, torch and kt-kernel.
+    The driver holds one layer's BF16 experts twice (its buffers, and kt-kernel's copy as it quantizes) and its
+    INT8 (plus the same again when kt-kernel's scratch is a tmpfs, whose pages are RAM) beside ~1 GiB of python,
+    torch and kt-kernel (``kt_quantizer_layer_ram``).
     """
     t = request.threadpool_count
     bf16_layer, int8_layer = _layer_bytes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t)
     _, shm, on_tmpfs = _scratch(request, int8_layer)
-    ram_need = bf16_layer + int8_layer * (2 if on_tmpfs else 1)
+    ram_need = kt_quantizer_layer_ram(bf16_layer, int8_layer, scratch_in_ram=on_tmpfs)
     out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
                  + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
-    ram_why = (f"{bf16_layer / GiB:.2f} GiB BF16 experts + {int8_layer / GiB:.2f} GiB INT8"
+    ram_why = (f"2 x {bf16_layer / GiB:.2f} GiB BF16 experts + {int8_layer / GiB:.2f} GiB INT8"
                f"{' + the same in ' + str(shm) if on_tmpfs else ''} + ~1 GiB for python, torch and kt-kernel")
     return Resources(
         host=INT8_KERNELS,
@@ -475,7 +477,8 @@ def _driver_plan(job: _Job) -> dict[str, Any]:
     scratch_root, _, on_tmpfs = _scratch(request, int8_layer)
     layers_per_process = request.layers_per_process
     if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
-        room = host.ram_available_bytes * 0.8 - (bf16_layer + int8_layer * (2 if on_tmpfs else 1)) - _DRIVER_BASE_BYTES
+        working = kt_quantizer_layer_ram(bf16_layer, int8_layer, scratch_in_ram=on_tmpfs)
+        room = host.ram_available_bytes * 0.8 - working - _DRIVER_BASE_BYTES
         layers_per_process = max(1, int(room // max(int8_layer, 1)))
     return {
         "source": str(job.bf16_dir), "experts": info.num_routed_experts, "top_k": job.top_k,
