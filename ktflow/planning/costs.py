@@ -109,9 +109,9 @@ class CostModel(BaseModel):
     # + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by least squares over
     # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on eight merged runs not used, all at 1 MoE layer
     # on three other machines: in the 4-bit formats (RAWINT4, AMXINT4) they decoded 1.01-1.18x the fit's rate, so at
-    # one layer the fit errs slow; AMXINT8, twice the bytes, decoded 1.31x it: a MoE layer's cost grew by about one
-    # floor for the extra bytes, not two, so part of the "floors" is a per-layer cost that does not scale with bytes
-    # (one run: not refitted). A MoE layer costs both modes about two floors; the fits differ by a fixed ~4.6 ms a
+    # one layer the fit errs slow; AMXINT8, 1.78x RAWINT4's bytes, decoded 1.31x it: its token grew by 1.26 times the
+    # extra floor, not 2, so part of the "floors" is a per-layer cost that does not scale with bytes (one run: not
+    # refitted). A MoE layer costs both modes about two floors; the fits differ by a fixed ~4.6 ms a
     # token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter within the machines' spread.
     serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00603, "merged": 0.00145})
     serve_decode_floors: dict[str, float] = Field(default_factory=lambda: {"lora": 2.149, "merged": 2.006})
