@@ -98,7 +98,7 @@ def main() -> int:
                 _point(five / "lever-methods-AMXINT4-load.json",
                        "Kimi slice, 1 MoE layer, merged as AMXINT4 (machine E; 3 x 256 tokens)"),
                 _point(five / "lever-methods-AMXINT8-load.json",
-                       "Kimi slice, 1 MoE layer, merged as AMXINT8: twice the bytes a token (machine E; "
+                       "Kimi slice, 1 MoE layer, merged as AMXINT8: 1.78x RAWINT4's bytes a token (machine E; "
                        "3 x 256 tokens)")]
     fits = {"lora": _fit(lora), "merged": _fit(merged)}
     predicted = [_predict(fits["merged"], c) for c in left_out]

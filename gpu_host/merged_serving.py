@@ -19,6 +19,7 @@ the same step run again goes on from there.
     $PY gpu_host/merged_serving.py merge         # ktflow merge RAWINT4 into the store, timed               ~40-120 s
     $PY gpu_host/merged_serving.py levers --group engine|gpu|threads|methods|combo   # item 3, 3-4 servers  ~400-530 s
     $PY gpu_host/merged_serving.py load          # item 5: LoRA path, merged (chosen), base; c = 1, 4, 16  ~450-530 s
+    $PY gpu_host/merged_serving.py alternate     # item 5: base and merged (chosen) started in turn, c = 1  ~4 x 100 s
     $PY gpu_host/merged_serving.py check --name bf16|rawint4   # item 4 on the tiny fixtures, 4 servers      ~250-330 s
     $PY gpu_host/merged_serving.py report        # summary.json: the three tables
 
@@ -978,10 +979,11 @@ def phase_load(work: MergedWork) -> int:
 
 
 ALTERNATE_MODELS = ("merged", "base")
+MERGED_OVER_BASE_TARGET = 0.9  # item 5: merged within 10 % of the base model's decode at concurrency 1
 
 
 def alternate_order(first: str, starts: int) -> list[str]:
-    """The models an ``alternate`` step starts, in turn from ``first``: merged, base, merged, base for 4."""
+    """The models an ``alternate`` step starts, in turn from ``first``: base, merged, base, merged for 4 from base."""
     if first not in ALTERNATE_MODELS:
         raise SystemExit(f"alternate --first: {first!r} is not one of {list(ALTERNATE_MODELS)}")
     if starts < 2 or starts % 2:
@@ -996,7 +998,7 @@ def alternate_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
     over its slowest). A gap no wider than the models' own spread is the machine's, not merging's."""
     rates: dict[str, list[float]] = {m: [] for m in ALTERNATE_MODELS}
     for start in starts:
-        if start.get("decode_tokens_per_s"):
+        if start and start.get("ok") and start.get("decode_tokens_per_s"):  # a start not measured (None) or failed
             rates[start["what"]].append(start["decode_tokens_per_s"])
     models = {m: {"starts": len(r), "median": statistics.median(r) if r else None,
                   "range": [min(r), max(r)] if r else None,
@@ -1004,7 +1006,8 @@ def alternate_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
     merged, base = models["merged"]["median"], models["base"]["median"]
     ratio = merged / base if merged and base else None
     spreads = [m["own_spread"] for m in models.values() if m["own_spread"]]
-    return {"models": models, "merged_over_base": ratio, "within_10_percent": None if ratio is None else ratio >= 0.9,
+    return {"models": models, "merged_over_base": ratio,
+            "within_10_percent": None if ratio is None else ratio >= MERGED_OVER_BASE_TARGET,
             "gap_wider_than_own_spread": None if ratio is None or len(spreads) < 2
             else max(ratio, 1 / ratio) > max(spreads)}
 
@@ -1013,8 +1016,11 @@ def phase_alternate(work: MergedWork) -> int:
     """Item 5's merged-vs-base gap against the spread between two starts of one server: the merged model and the
     base model, both with the chosen settings (levers-chosen.json), started in turn (``--starts``, ``--first``) and
     each measured as a lever is (concurrency 1, 3 requests of 256 tokens) into results/alternate.json, with
-    :func:`alternate_summary`. Starts measured before are kept (a step cut short goes on); ``--again``: from the
-    start."""
+    :func:`alternate_summary`. ``starts`` holds a slot a start, in order (null: not measured yet); a run of the step
+    measures, in order, the slots not measured or failed and keeps the others (a step cut short goes on; each start
+    records when it began); ``--again``: all of them."""
+    from ktflow.store import read_manifest
+
     started = time.perf_counter()
     chosen_path = work.results / "levers-chosen.json"
     chosen = json.loads(chosen_path.read_text()) if chosen_path.is_file() else {"name": "default", "sets": []}
@@ -1022,34 +1028,38 @@ def phase_alternate(work: MergedWork) -> int:
     doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() and not work.args.again else {}
     order = alternate_order(work.args.first, work.args.starts)
     if doc.get("order") != order or doc.get("chosen") != chosen:
-        doc = {"order": order, "chosen": chosen, "starts": []}
+        doc = {"order": order, "chosen": chosen, "starts": [None] * len(order)}
+    doc.pop("skipped", None)  # what this run leaves says itself below
     tokens = served_tokens(work)
     extra = list(chosen["sets"])
+    method = kt_method_of(extra)
     status = 0
     for index, what in enumerate(order):
-        if index < len(doc["starts"]) and doc["starts"][index].get("ok"):
+        if (doc["starts"][index] or {}).get("ok"):
             continue
-        del doc["starts"][index:]
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
-        need = START_S.get(work.moe_layers, 100.0) + LEVER_S
-        if left < need:
-            doc["skipped"] = f"starts {index + 1}-{len(order)}: {left:.0f} s left, ~{need:.0f} s each: run the step again"
+        need = (START_S.get(work.moe_layers, 100.0) + LEVER_S
+                + (90.0 if what == "merged" and not read_manifest(merge_dir(work, method, extra)) else 0.0))
+        if left < need:  # the rest waits for the next run, so the starts keep their turns
+            doc["skipped"] = (f"starts {index + 1}-{len(order)}: {left:.0f} s left, ~{need:.0f} s needed: run the "
+                              "step again")
             break
-        merge = timed_merge(work, kt_method_of(extra), extra, limit_s=left - need) if what == "merged" else None
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        merge = timed_merge(work, method, extra, limit_s=left - need) if what == "merged" else None
         spec = server_spec(work, what, f"alternate-{index + 1}-{what}", extra, tokens=tokens, load_args=LEVER_ARGS)
         room = room_for(work, spec)
         if not room["fits"]:
-            doc["starts"].append({"what": what, "ok": False, "error": "not enough disk", "room": room})
+            doc["starts"][index] = {"what": what, "ok": False, "error": "not enough disk", "room": room}
             status = 1
             break
         got = run_server(work, spec, limit_s=big.PHASE_LIMIT_S - (time.perf_counter() - started))
         one = next((lv for lv in got.get("levels") or [] if lv["concurrency"] == 1), {})
-        doc["starts"].append({"what": what, "ok": bool(got.get("ok")), "decode_tokens_per_s": _decode(got),
-                              "ttft_p50_s": (one.get("ttft_s") or {}).get("p50"),
-                              "distinct_share": one.get("distinct_share_median"), "ready_s": got.get("ready_s"),
-                              "server": spec["out"], "merge": merge, "error": got.get("error")})
+        doc["starts"][index] = {"what": what, "started": stamp, "ok": bool(got.get("ok")),
+                                "decode_tokens_per_s": _decode(got),
+                                "ttft_p50_s": (one.get("ttft_s") or {}).get("p50"),
+                                "distinct_share": one.get("distinct_share_median"), "ready_s": got.get("ready_s"),
+                                "server": spec["out"], "merge": merge, "error": got.get("error")}
         status |= 0 if got.get("ok") and not got.get("leftover_processes") else 1
-        doc.pop("skipped", None)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1, default=str))
     doc["summary"] = alternate_summary(doc["starts"])
@@ -1081,7 +1091,7 @@ def load_table(doc: dict[str, Any]) -> dict[str, Any]:
         ratio[c] = {"merged_over_base": rate["merged"] / rate["base"] if rate["merged"] and rate["base"] else None,
                     "merged_over_lora": rate["merged"] / rate["lora"] if rate["merged"] and rate["lora"] else None}
     targets = {"merged within 10 % of base (c=1)": None if ratio[1]["merged_over_base"] is None
-               else ratio[1]["merged_over_base"] >= 0.9,
+               else ratio[1]["merged_over_base"] >= MERGED_OVER_BASE_TARGET,
                "merged at least 2x the LoRA path (c=1)": None if ratio[1]["merged_over_lora"] is None
                else ratio[1]["merged_over_lora"] >= 2.0}
     return {"chosen": doc.get("chosen"), "servers": rows, "ratios": ratio, "targets": targets,

@@ -497,6 +497,26 @@ def test_the_plan_prices_each_merge_method_from_the_model_size() -> None:
 GIB = 1 << 30
 
 
+def test_the_merge_rate_basis_quotes_the_timed_merges_it_was_not_fitted_on() -> None:
+    """The plan's words on the merge rate (one timed RAWINT4 merge, serving/) say what every other timed RAWINT4
+    merge of the slice took against its estimate: their range and median, from the raw data."""
+    import statistics
+
+    from ktflow.planning.merge_cost import _MERGE_RATE_BASIS
+
+    data = REPO / "benchmarks/data/merged-serving"
+    ratios = []
+    for path in sorted(data.glob("*/merge-RAWINT4.json")):
+        merge = json.loads(path.read_text())
+        made = merge.get("made")
+        if path.parent.name == "serving" or not isinstance(made, dict) or made.get("outcome") != "ok":
+            continue  # the merge the rate was fitted on; merges reused from an earlier run time nothing
+        ratios.append(made["wall_s"] / merge["estimate"]["seconds"])
+    assert len(ratios) == 5
+    assert f"five more took {min(ratios):.2f}-{max(ratios):.2f}x the estimate" in _MERGE_RATE_BASIS
+    assert f"(median {statistics.median(ratios):.2f}x)" in (REPO / "ktflow/planning/costs.py").read_text()
+
+
 @pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
 def test_the_amx_merge_estimate_is_held_to_its_timed_merges(method: str) -> None:
     """The AMX merges of the Kimi-K2.5 slice (one MoE layer, 16 cores) timed on a GPU host: their peak RAM as the

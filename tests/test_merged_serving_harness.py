@@ -368,7 +368,7 @@ def test_alternate_starts_take_turns_and_weigh_the_gap_against_each_models_own_s
         ms.alternate_order("lora", 2)
 
     def starts(*pairs: tuple[str, float | None]) -> list[dict]:
-        return [{"what": w, "decode_tokens_per_s": r} for w, r in pairs]
+        return [{"what": w, "ok": r is not None, "decode_tokens_per_s": r} for w, r in pairs]
 
     # merged 0.80x the base model while each model's own starts are within 2 %: the gap is merging's
     wide = ms.alternate_summary(starts(("base", 200.0), ("merged", 160.0), ("base", 204.0), ("merged", 162.0)))
@@ -378,9 +378,53 @@ def test_alternate_starts_take_turns_and_weigh_the_gap_against_each_models_own_s
     # 0.93x with starts of one model 10 % apart: no wider than the machine's own spread
     noise = ms.alternate_summary(starts(("base", 200.0), ("merged", 190.0), ("base", 220.0), ("merged", 200.0)))
     assert noise["within_10_percent"] is True and noise["gap_wider_than_own_spread"] is False
-    # a start that measured nothing is left out, and one start a model says nothing of its spread
-    one = ms.alternate_summary(starts(("base", 200.0), ("merged", None), ("base", 210.0), ("merged", 190.0)))
+    # a start that measured nothing, failed or is not measured yet is left out, and one start of a model says
+    # nothing of its spread
+    one = ms.alternate_summary([*starts(("base", 200.0), ("merged", None), ("base", 210.0)), None,
+                                {"what": "merged", "ok": False, "decode_tokens_per_s": 150.0},
+                                *starts(("merged", 190.0))])
     assert one["models"]["merged"]["starts"] == 1 and one["gap_wider_than_own_spread"] is None
+
+
+def test_alternate_starts_go_on_in_turn_and_measure_a_failed_start_again(
+        harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with no time for a start leaves it and every later one for the next run (the starts keep their turns);
+    a run measures the starts not measured or failed, in order, and keeps the others."""
+    run, _ = harness
+    served: list[str] = []
+    rates = iter([200.0, None, 205.0, 180.0, 190.0])  # the second start fails the first time
+
+    def run_server(work, spec, limit_s):
+        served.append(spec["label"])
+        rate = next(rates)
+        return {"ok": rate is not None, "error": None if rate else "died",
+                "levels": [{"concurrency": 1, "decode_tokens_per_s_median": rate, "errors": 0 if rate else 3,
+                            "ttft_s": {"p50": 0.3}, "distinct_share_median": 0.8}]}
+
+    monkeypatch.setattr(ms, "run_server", run_server)
+    monkeypatch.setattr(ms, "timed_merge", lambda *a, **k: {"made": "reused (already in the store)"})
+    monkeypatch.setattr(ms, "room_for", lambda work, spec: {"fits": True})
+    monkeypatch.setattr(ms, "merge_dir", lambda *a, **k: ms.ROOT / "no-merge-yet")  # each merged start counts one
+    assert run("adapter", "--random") == 0
+    monkeypatch.setattr(ms, "START_S", {2: ms.big.PHASE_LIMIT_S})  # no start fits the phase's time
+    assert run("alternate") == 0
+    doc = json.loads((ms.RESULTS / "alternate.json").read_text())
+    assert served == [] and doc["starts"] == [None] * 4 and doc["skipped"].startswith("starts 1-4: ")
+    monkeypatch.setattr(ms, "START_S", {2: 5.0})
+    assert run("alternate") == 1  # the second start died
+    doc = json.loads((ms.RESULTS / "alternate.json").read_text())
+    assert [s["ok"] for s in doc["starts"]] == [True, False, True, True] and "skipped" not in doc
+    assert run("alternate") == 0  # only the failed start again, in its turn's slot
+    doc = json.loads((ms.RESULTS / "alternate.json").read_text())
+    assert served == ["alternate-1-base", "alternate-2-merged", "alternate-3-base", "alternate-4-merged",
+                      "alternate-2-merged"]
+    assert [s["what"] for s in doc["starts"]] == ["base", "merged", "base", "merged"]
+    assert [s["decode_tokens_per_s"] for s in doc["starts"]] == [200.0, 190.0, 205.0, 180.0]
+    assert all(s["started"] for s in doc["starts"])
+    summary = doc["summary"]
+    assert summary["merged_over_base"] == pytest.approx(185.0 / 202.5) and summary["within_10_percent"] is True
+    # within the target, yet 1.09x apart: wider than either model's own starts (merged 1.06x, base 1.03x)
+    assert summary["gap_wider_than_own_spread"] is True
 
 
 def test_a_phase_out_of_time_says_what_it_left_and_goes_on_when_run_again(

@@ -202,8 +202,9 @@ def test_needs_are_a_pure_function_of_the_request_and_the_sizes(tmp_path: Path) 
                           non_expert_tensors=1500, copied_bytes=1 << 20),
     )
     assert int8.host == INT8_KERNELS and int8.ram is not None
-    bf16_layer = 384 * 3 * 2048 * 7168 * 2  # one layer's BF16 experts, plus its INT8, plus ~1 GiB of runtime
-    assert int8.ram.bytes > bf16_layer + GiB and int8.ram.what == "one MoE layer"
+    # one layer's BF16 experts twice (the driver's, kt-kernel's as it quantizes), its INT8, ~1 GiB of runtime
+    bf16_layer = 384 * 3 * 2048 * 7168 * 2
+    assert 2 * bf16_layer + GiB < int8.ram.bytes < 3 * bf16_layer and int8.ram.what == "one MoE layer"
     assert [d.what for d in int8.disk] == ["kt-kernel's scratch for one layer", "the output"]
     assert int8.artifact_bytes is not None and int8.artifact_bytes > 60 * 384 * 3 * 2048 * 7168
 

@@ -81,7 +81,6 @@ from ktflow.stages.quantize_int8 import (
     COPIED_FILES,
     VERIFY_SEED,
     VERIFY_TOKENS,
-    QuantizeInt8Request,
     _Layout,
     _run_driver,
     _sample_layers,
@@ -327,11 +326,12 @@ def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
     """The host's CPU (kt-kernel formats), RAM for a few tensors per worker (or one MoE layer), disk for the output."""
     workers = _workers(request)
     if sizes.method in KT_METHODS:
-        ram = kt_quantizer_layer_ram(sizes.layer_bf16_bytes, sizes.layer_quant_bytes, scratch_in_ram=True)
+        on_tmpfs = _scratch(request, sizes.layer_quant_bytes)[2]
+        ram = kt_quantizer_layer_ram(sizes.layer_bf16_bytes, sizes.layer_quant_bytes, scratch_in_ram=on_tmpfs)
         ram += _DRIVER_BASE_BYTES
         why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts twice (the driver's and "
-               "kt-kernel's as it quantizes) + its quantized form in kt-kernel and its scratch + ~1 GiB for python, "
-               "torch and kt-kernel")
+               "kt-kernel's as it quantizes) + its quantized form in kt-kernel"
+               + (" and its scratch in a tmpfs" if on_tmpfs else "") + " + ~1 GiB for python, torch and kt-kernel")
         host: HostRequirement | None = _AMX_CPU
     else:
         # each worker holds one item: a weight as read, its float64 merge and the result
@@ -643,9 +643,7 @@ def _driver_plan(job: _Job, staging: Path) -> dict[str, Any]:
     request, info, layout = job.request, job.info, job.layout
     t = request.threadpool_count
     _, layer_bf16, layer_quant = _kt_sizes(job)
-    scratch_root, _, on_tmpfs = _scratch(QuantizeInt8Request(
-        bf16_dir=job.base.path, out_dir=request.out_dir, threadpool_count=t, serve_python=job.serve_python,
-        scratch_dir=request.scratch_dir), layer_quant)
+    scratch_root, _, on_tmpfs = _scratch(request, layer_quant)
     per_process = request.layers_per_process
     if per_process is None:
         working = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=on_tmpfs)

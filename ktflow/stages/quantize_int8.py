@@ -57,7 +57,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -350,7 +350,14 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     )
 
 
-def _scratch(request: QuantizeInt8Request, layer_bytes: int = 0) -> tuple[Path, Path, bool]:
+class ScratchSettings(Protocol):
+    """Where a stage that drives kt-kernel's quantizer writes (quantize-int8's request, the merge's)."""
+
+    scratch_dir: Path | None
+    out_dir: Path
+
+
+def _scratch(request: ScratchSettings, layer_bytes: int = 0) -> tuple[Path, Path, bool]:
     """Where kt-kernel's per-layer scratch goes, its nearest existing directory, and whether it is RAM.
 
     By default ``/dev/shm`` where it holds one layer's INT8 (``layer_bytes``) with margin, else beside the
