@@ -94,6 +94,7 @@ LEVER_ARGS = "--concurrency 1 --max-tokens 256 --requests-per-level 3"
 SERVED_LOSS_RECORDS = 16  # the slice's training records whose served loss each load server reports
 START_S = {1: 85.0, 2: 90.0, 3: 100.0}  # a warm server start by depth (docstring), for the phases' time budget
 LEVER_S, LOAD_S = 40.0, 120.0  # one lever run's load, and item 5's, plus bandwidth and stop
+MERGE_S = 90.0  # a merge the phase must make before its server starts, for the phases' time budget
 # A tiny fixture's server in the check: ready in 73-158 s on the H200 + 16-core host (the first after serve-setup the
 # slowest), then ~5 s to score and its merged weights' float32 score; a server started with less than this left is
 # likely killed before it scores (seen with 90 s): the step is run again for it instead.
@@ -868,7 +869,7 @@ def phase_levers(work: MergedWork) -> int:
                                                           "first"})
             continue
         extra = GPU_EXPERTS_START_EXTRA_S if gpu_experts else 0.0
-        need = budget + extra + (0 if read_manifest(merged) else 90.0)
+        need = budget + extra + (0 if read_manifest(merged) else MERGE_S)
         if left < need:
             notes["skipped"].append({"lever": name, "why": f"{left:.0f} s left of the phase, ~{need:.0f} s needed: "
                                                           "run the step again"})
@@ -935,14 +936,19 @@ def load_servers(only: str | None) -> list[str]:
     return only_servers(only, list(LOAD_SERVERS), "load", "the load step")
 
 
+def chosen_settings(work: MergedWork) -> dict[str, Any]:
+    """The levers steps' choice as this harness's overrides (levers-chosen.json), else the slice's defaults."""
+    path = work.results / "levers-chosen.json"
+    return json.loads(path.read_text()) if path.is_file() else {"name": "default", "sets": []}
+
+
 def phase_load(work: MergedWork) -> int:
     """Item 5: the LoRA path as today, the merged model with the chosen settings (levers-chosen.json, else
     MERGED_SETS), the base model with the same settings: each served, its served loss over the first training
     records, then serve_load at concurrency 1, 4 and 16 (128 tokens, ignore_eos) against the floor of the bandwidth
     measured just before it. ``--only`` runs one of them (a step cut short goes on with those not measured)."""
     started = time.perf_counter()
-    chosen_path = work.results / "levers-chosen.json"
-    chosen = json.loads(chosen_path.read_text()) if chosen_path.is_file() else {"name": "default", "sets": []}
+    chosen = chosen_settings(work)
     path = work.results / "load.json"
     doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     doc["chosen"] = chosen
@@ -1022,8 +1028,7 @@ def phase_alternate(work: MergedWork) -> int:
     from ktflow.store import read_manifest
 
     started = time.perf_counter()
-    chosen_path = work.results / "levers-chosen.json"
-    chosen = json.loads(chosen_path.read_text()) if chosen_path.is_file() else {"name": "default", "sets": []}
+    chosen = chosen_settings(work)
     path = work.results / "alternate.json"
     doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() and not work.args.again else {}
     order = alternate_order(work.args.first, work.args.starts)
@@ -1039,7 +1044,7 @@ def phase_alternate(work: MergedWork) -> int:
             continue
         left = big.PHASE_LIMIT_S - (time.perf_counter() - started)
         need = (START_S.get(work.moe_layers, 100.0) + LEVER_S
-                + (90.0 if what == "merged" and not read_manifest(merge_dir(work, method, extra)) else 0.0))
+                + (MERGE_S if what == "merged" and not read_manifest(merge_dir(work, method, extra)) else 0.0))
         if left < need:  # the rest waits for the next run, so the starts keep their turns
             doc["skipped"] = (f"starts {index + 1}-{len(order)}: {left:.0f} s left, ~{need:.0f} s needed: run the "
                               "step again")
