@@ -18,8 +18,9 @@ base model), CUDA graphs on.
   four. Checked on runs not used, at 1 MoE layer: the merged slice on a third machine (the levers' baseline), on
   a fourth the two starts of the default settings in its levers step (the second with prefill chunks of 4096, which
   no prompt reached), and on a fifth the default settings' three starts and the slice merged as AMXINT4 and AMXINT8
-  (its methods step: the floor is each method's bytes). Servers with GPU experts are not checks: the model has no
-  term for them.
+  (its methods step: the floor is each method's bytes), and on a sixth the base and merged slices started in turn,
+  two starts each, and the engine levers' baseline. Servers with GPU experts are not checks: the model has no term
+  for them.
 
     .venv/bin/python benchmarks/serve_decode_model.py    # prints the fit and the check, writes decode-model.json
 """
@@ -100,6 +101,14 @@ def main() -> int:
                 _point(five / "lever-methods-AMXINT8-load.json",
                        "Kimi slice, 1 MoE layer, merged as AMXINT8: 1.78x RAWINT4's bytes a token (machine E; "
                        "3 x 256 tokens)")]
+    six = SERVING / "h200-alternate" / "servers"
+    left_out += [_point(six / f"alternate-{n}-{what}-load.json",
+                        f"Kimi slice, 1 MoE layer, the {what} model's {turn} start of two, the two models started "
+                        f"in turn (machine F; 3 x 256 tokens)")
+                 for n, what, turn in ((1, "base", "first"), (2, "merged", "first"), (3, "base", "second"),
+                                       (4, "merged", "second"))]
+    left_out.append(_point(six / "lever-engine-baseline-load.json",
+                           "Kimi slice, 1 MoE layer, merged, the engine levers' baseline (machine F; 3 x 256 tokens)"))
     fits = {"lora": _fit(lora), "merged": _fit(merged)}
     predicted = [_predict(fits["merged"], c) for c in left_out]
     checks = [{"mode": "merged", "run": c["what"], "file": c["file"], "measured_ms": c["token_ms"],

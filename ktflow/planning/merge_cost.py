@@ -16,7 +16,7 @@ from ktflow.units import GB, GiB
 
 _RUNTIME_BYTES = GiB  # python + torch (+ kt-kernel): the merge's own footprint
 # What the quantized formats' merge rate rests on (CostModel.merge_expert_bytes_per_core_s), as the plan quotes it
-_MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; five more took 0.95-1.48x the "
+_MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; six more took 0.95-1.48x the "
                      "estimate, the AMXINT8 and AMXINT4 merges 1.10x and 1.00x")
 # What a merge worker holds per parameter of the weight it makes: float64 (the merge), BF16 and float32 (the encoder)
 MERGE_WORKER_BYTES_PER_PARAM = 8 + 2 + 4
