@@ -480,7 +480,9 @@ def test_the_plan_prices_each_merge_method_from_the_model_size() -> None:
     # a MoE layer's BF16 twice (the driver's buffers, kt-kernel's copy), the quantized layer and its scratch in
     # /dev/shm: not the model
     layer_bf16 = 2 * experts // 60
-    assert int8.ram_bytes == 2 * layer_bf16 + 2 * (experts // 60 + experts // 60 // 256) + GIB
+    # the INT8 layer as kt-kernel lays it out: a byte a weight and an fp32 scale a row (gate/up 2048 rows, down 7168)
+    layer_int8 = experts // 60 + 384 * 4 * (2 * 2048 + 7168)
+    assert int8.ram_bytes == 2 * layer_bf16 + 2 * layer_int8 + GIB
     assert amx4.ram_bytes < int8.ram_bytes < 100 * GIB
     assert "no merge of this method timed" in bf16.basis
     assert not any("no merge of this method timed" in e.basis for e in (int4, int8, amx4))
@@ -542,7 +544,9 @@ def test_the_amx_merge_estimate_is_held_to_its_timed_merges(method: str) -> None
     assert made["outcome"] == "ok"
     estimate = merge_estimate(size, method, cores=16)
     # the peak RSS is the driver's working set without kt-kernel's scratch (a tmpfs there, which RSS does not count)
-    layer_quant = experts * (8 if method == "AMXINT8" else 4) // 8 + experts // 256
+    # the quantized layer as kt-kernel lays it out: the codes and an fp32 scale a row of each projection
+    rows = dims["n_routed_experts"] * (2 * dims["moe_intermediate_size"] + dims["hidden_size"])
+    layer_quant = experts * (8 if method == "AMXINT8" else 4) // 8 + 4 * rows
     working = kt_quantizer_layer_ram(2 * experts, layer_quant, scratch_in_ram=False) + GIB
     assert made["peak_host_rss_gib"] * GIB == pytest.approx(working, rel=0.02)
     assert estimate.ram_bytes == working + layer_quant  # the plan counts the scratch in /dev/shm too

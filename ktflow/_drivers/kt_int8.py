@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from ktflow.formats.kt_layout import PROJS, expert_key, kt_file_name, slice_sizes
+from ktflow.formats.kt_layout import KT_WEIGHT_BITS, PROJS, expert_key, kt_file_name, slice_sizes
 from ktflow.formats.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsHeader,
@@ -82,9 +82,9 @@ PLAN_NAME = ".ktflow-int8-plan.json"
 TMP_SUFFIX = ".tmp"
 SCRATCH_PREFIX = "ktflow-int8-"
 KT_METHOD = "AMXINT8"
-# What the driver can make (the plan's "method", AMXINT8 when absent): kt-kernel's .kt file tag and the
-# weight bits of each. AMXINT4 is laid out as AMXINT8 (one fp32 scale per output row), two codes a byte.
-METHODS = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}
+# What the driver can make (the plan's "method", AMXINT8 when absent) and kt-kernel's .kt file tag of each. AMXINT4
+# is laid out as AMXINT8 (one fp32 scale per output row), two codes a byte (KT_WEIGHT_BITS).
+FILE_TAGS = {"AMXINT8": "INT8", "AMXINT4": "INT4"}
 CHUNK = 512  # chunked_prefill_size: kt-kernel's per-forward token capacity (buffers sized by it)
 EXIT_VERIFY_FAILED = 3
 EXIT_RECYCLE = 75  # the budget of kt-kernel wrappers is spent: rerun the driver to go on (complete work is kept)
@@ -109,7 +109,7 @@ def method_slice_sizes(proj: str, hidden: int, moe_intermediate: int, threadpool
                        method: str = KT_METHOD) -> tuple[int, int]:
     """:func:`~ktflow.formats.kt_layout.slice_sizes` for ``method``: AMXINT4 packs two codes a byte."""
     nbytes, scales = slice_sizes(proj, hidden, moe_intermediate, threadpool_count)
-    return nbytes * METHODS[method][1] // 8, scales
+    return nbytes * KT_WEIGHT_BITS[method] // 8, scales
 
 
 def layer_plan(layer: int, experts: int, hidden: int, moe_intermediate: int, threadpool_count: int,
@@ -139,7 +139,7 @@ def kt_file(scratch: Path, layer: int, numa: int, proj: str, expert: int, nbytes
     AMXINT4's files are named as AMXINT8's with the tag INT4)."""
     name = kt_file_name(layer, numa, proj, expert, nbytes, kind)
     directory, _, file = name.rpartition("/")
-    return scratch / directory / (METHODS[method][0] + file[file.index("_"):])
+    return scratch / directory / (FILE_TAGS[method] + file[file.index("_"):])
 
 
 # --------------------------------------------------------------------------- the float64 reference

@@ -20,6 +20,8 @@ PROJS = ("gate", "up", "down")
 MERGED_KT_DIR = "kt"
 """Where a merge to a kt-kernel format keeps its experts (the shard layout), beside its non-expert checkpoint."""
 KT_FILE_TAG = "INT8"  # the method tag in kt-kernel's .kt file names
+KT_WEIGHT_BITS = {"AMXINT8": 8, "AMXINT4": 4}
+"""Bits a weight in each kt-kernel CPU format of the shard layout (AMXINT4: two codes a byte, laid out as AMXINT8)."""
 _SHARD_PROJ = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 SHARD_KEY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
 """A shard tensor's name: groups layer, projection, expert, NUMA slice, weight|scale."""
@@ -40,6 +42,17 @@ def slice_sizes(proj: str, hidden: int, moe_intermediate: int, threadpool_count:
     if proj == "down":
         return hidden * n, hidden
     return n * hidden, n
+
+
+def kt_layer_bytes(experts: int, hidden: int, moe_intermediate: int, threadpool_count: int, method: str) -> int:
+    """One MoE layer's routed experts in the shard layout as ``method`` stores them: every NUMA slice's codes and
+    its fp32 row scales (:func:`slice_sizes`). The one count of a quantized layer's bytes: quantize-int8, the merge
+    and the plan all size their disk and RAM with it."""
+    total = 0
+    for proj in PROJS:
+        nbytes, scales = slice_sizes(proj, hidden, moe_intermediate, threadpool_count)
+        total += experts * threadpool_count * (nbytes * KT_WEIGHT_BITS[method] // 8 + 4 * scales)
+    return total
 
 
 def kt_file_name(layer: int, numa: int, proj: str, expert: int, nbytes: int, kind: str) -> str:

@@ -10,16 +10,27 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from ktflow.formats.kt_layout import kt_layer_bytes
 from ktflow.planning.costs import COSTS, CostModel
 from ktflow.planning.sizing import ModelSize
 from ktflow.units import GB, GiB
 
-_RUNTIME_BYTES = GiB  # python + torch (+ kt-kernel): the merge's own footprint
+PROCESS_RUNTIME_BYTES = GiB
+"""A merge's or quantize-int8's own process beside the data it holds: python and torch, and kt-kernel where imported
+(~0.6 GB), with margin. The stages' RAM checks, their processes' layer budget and the plan count it."""
 # What the quantized formats' merge rate rests on (CostModel.merge_expert_bytes_per_core_s), as the plan quotes it
 _MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; six more took 0.95-1.48x the "
                      "estimate, the AMXINT8 and AMXINT4 merges 1.10x and 1.00x")
 # What a merge worker holds per parameter of the weight it makes: float64 (the merge), BF16 and float32 (the encoder)
 MERGE_WORKER_BYTES_PER_PARAM = 8 + 2 + 4
+
+
+def kt_quantized_layer_bytes(size: ModelSize, method: str, threadpool_count: int = 1) -> tuple[int, int]:
+    """``(BF16, quantized)`` bytes of one MoE layer of ``size``'s routed experts, the quantized as kt-kernel's
+    ``method`` (AMXINT8 or AMXINT4) lays them out (:func:`~ktflow.formats.kt_layout.kt_layer_bytes`)."""
+    return (2 * size.expert_parameters_per_layer,
+            kt_layer_bytes(size.routed_experts, size.hidden_size, size.expert_intermediate_size, threadpool_count,
+                           method))
 
 
 def kt_quantizer_layer_ram(layer_bf16: int, layer_quant: int, *, scratch_in_ram: bool) -> int:
@@ -62,24 +73,21 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
     if method == "BF16":
         disk = expert_bf16 + non_expert_bf16
         seconds = disk / write_rate
-        ram = in_flight + _RUNTIME_BYTES
+        ram = in_flight + PROCESS_RUNTIME_BYTES
         basis = f"{disk / GB:.0f} GB of BF16 written at {write_rate / GB:.1f} GB/s (dequantize's rate)"
     elif method == "RAWINT4":
         disk = size.stored_bytes
         seconds = disk / write_rate + expert_bf16 / merge_rate
-        ram = in_flight + _RUNTIME_BYTES
+        ram = in_flight + PROCESS_RUNTIME_BYTES
         basis = (f"{disk / GB:.0f} GB written at {write_rate / GB:.1f} GB/s (dequantize's rate) + the experts' "
                  f"{expert_bf16 / GB:.0f} GB of BF16 merged and re-encoded as INT4 at {merge_per_core / 1e6:.1f} MB/s "
                  f"a core x {cores} ({_MERGE_RATE_BASIS})")
     elif method in ("AMXINT8", "AMXINT4"):
-        bits = 8 if method == "AMXINT8" else 4
-        # per output row one fp32 scale: ~4 bytes per moe_intermediate (or hidden) weights, under 1 %
-        experts = size.expert_parameters * bits // 8 + size.expert_parameters // 256
-        disk = experts + 2 * non_expert_bf16  # the non-expert checkpoint, and its copy in kt/ as quantize-int8 has it
+        layer_bf16, layer_quant = kt_quantized_layer_bytes(size, method, threadpool_count)
+        disk = layers * layer_quant + 2 * non_expert_bf16  # the non-expert checkpoint, and its copy in kt/
         seconds = expert_bf16 / merge_rate + 2 * non_expert_bf16 / write_rate
-        layer_bf16, layer_quant = expert_bf16 // layers, experts // layers
         # kt-kernel's scratch in /dev/shm, the stage's default where it fits
-        ram = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=True) + _RUNTIME_BYTES
+        ram = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=True) + PROCESS_RUNTIME_BYTES
         basis = (f"the experts' {expert_bf16 / GB:.0f} GB of BF16 merged and quantized by kt-kernel's {method} "
                  f"quantizer (T={threadpool_count}) at {merge_per_core / 1e6:.1f} MB/s a core x {cores} "
                  f"({_MERGE_RATE_BASIS}) + {2 * non_expert_bf16 / GB:.0f} GB of non-expert BF16 written; a MoE "

@@ -71,6 +71,12 @@ class ModelSize(BaseModel):
         return self.expert_parameters // max(self.moe_layers, 1)
 
     @property
+    def expert_intermediate_size(self) -> int:
+        """An expert's ``moe_intermediate_size``: an expert holds 3 x hidden x it parameters (0: no experts)."""
+        experts = max(self.moe_layers, 1) * max(self.routed_experts, 1)
+        return round(self.expert_parameters / experts / (3 * max(self.hidden_size, 1)))
+
+    @property
     def active_parameters(self) -> int:
         """Matmul parameters one token passes through: its experts and every non-expert Linear
         (the embedding is a lookup)."""

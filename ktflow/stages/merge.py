@@ -60,7 +60,7 @@ from ktflow.formats.checkpoint import (
     identity_digest,
     inspect_checkpoint,
 )
-from ktflow.formats.kt_layout import MERGED_KT_DIR
+from ktflow.formats.kt_layout import MERGED_KT_DIR, kt_layer_bytes
 from ktflow.formats.lora_merge import merge_lora_
 from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quantized
 from ktflow.formats.quant_encode import encode_int4_pack_quantized
@@ -73,7 +73,7 @@ from ktflow.formats.safetensors_io import (
 )
 from ktflow.host.hardware import physical_cores
 from ktflow.host.process import single_thread_torch
-from ktflow.planning.merge_cost import MERGE_WORKER_BYTES_PER_PARAM, kt_quantizer_layer_ram
+from ktflow.planning.merge_cost import MERGE_WORKER_BYTES_PER_PARAM, PROCESS_RUNTIME_BYTES, kt_quantizer_layer_ram
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -104,8 +104,6 @@ _JOURNAL = ".ktflow-merge.json"
 _LOG = ".ktflow-merge.log"
 _TMP_SUFFIX = ".tmp"
 _HEADER_BYTES_PER_TENSOR = 128
-_BASE_BYTES = 1 * GiB  # python + torch, with margin
-_DRIVER_BASE_BYTES = 1 * GiB  # + kt-kernel imported
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale|weight_shape)$")
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<matrix>[AB])\.weight$")
@@ -328,16 +326,18 @@ def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
     if sizes.method in KT_METHODS:
         on_tmpfs = _scratch(request, sizes.layer_quant_bytes)[2]
         ram = kt_quantizer_layer_ram(sizes.layer_bf16_bytes, sizes.layer_quant_bytes, scratch_in_ram=on_tmpfs)
-        ram += _DRIVER_BASE_BYTES
+        ram += PROCESS_RUNTIME_BYTES
         why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts twice (the driver's and "
                "kt-kernel's as it quantizes) + its quantized form in kt-kernel"
-               + (" and its scratch in a tmpfs" if on_tmpfs else "") + " + ~1 GiB for python, torch and kt-kernel")
+               + (" and its scratch in a tmpfs" if on_tmpfs else "")
+               + f" + ~{PROCESS_RUNTIME_BYTES / GiB:.0f} GiB for python, torch and kt-kernel")
         host: HostRequirement | None = _AMX_CPU
     else:
         # each worker holds one item: a weight as read, its float64 merge and the result
-        ram = (sizes.in_flight_bytes or workers * 3 * sizes.largest_tensor_bytes) + _BASE_BYTES
+        in_flight = sizes.in_flight_bytes or workers * 3 * sizes.largest_tensor_bytes
+        ram = in_flight + PROCESS_RUNTIME_BYTES
         why = (f"{workers} worker(s), each holding one weight, its float64 merge and the result "
-               f"({ram / GiB - _BASE_BYTES / GiB:.2f} GiB at most at once) + ~1 GiB of runtime")
+               f"({in_flight / GiB:.2f} GiB at most at once) + ~{PROCESS_RUNTIME_BYTES / GiB:.0f} GiB of runtime")
         host = None
     return Resources(
         host=host,
@@ -463,10 +463,7 @@ def _kt_sizes(job: _Job) -> tuple[int, int, int]:
     if job.layout is None:
         return 0, 0, 0
     info, t = job.info, job.request.threadpool_count
-    quant = 0
-    for proj in driver.PROJS:
-        nbytes, scales = driver.method_slice_sizes(proj, info.hidden_size, info.moe_intermediate_size, t, job.method)
-        quant += info.num_routed_experts * t * (nbytes + 4 * scales)
+    quant = kt_layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t, job.method)
     bf16 = info.num_routed_experts * 3 * info.moe_intermediate_size * info.hidden_size * 2
     non_expert = sum(item.nbytes for items in job.plans.values() for item in items)
     return len(job.layout.layers) * quant + non_expert, bf16, quant
@@ -647,7 +644,7 @@ def _driver_plan(job: _Job, staging: Path) -> dict[str, Any]:
     per_process = request.layers_per_process
     if per_process is None:
         working = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=on_tmpfs)
-        room = job.host.ram_available_bytes * 0.8 - working - _DRIVER_BASE_BYTES
+        room = job.host.ram_available_bytes * 0.8 - working - PROCESS_RUNTIME_BYTES
         per_process = max(1, int(room // max(layer_quant, 1)))
     non_expert = [[_kt_name(name), shard, name] for shard, items in job.plans.items()
                   for item in items for name, _, _ in item.outputs]

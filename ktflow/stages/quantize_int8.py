@@ -72,10 +72,10 @@ from ktflow.formats.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
-from ktflow.formats.kt_layout import PROJS, slice_sizes
+from ktflow.formats.kt_layout import PROJS, kt_layer_bytes
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
-from ktflow.planning.merge_cost import kt_quantizer_layer_ram
+from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_quantizer_layer_ram
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import INT8_KERNELS, QUANTIZE_INT8_STAGE, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -93,7 +93,6 @@ _LOG = ".ktflow-int8.log"
 _HEADER_BYTES_PER_TENSOR = 128  # safetensors header estimate, for the disk check
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
                      r"(weight|weight_packed|weight_scale|weight_shape)$")
-_DRIVER_BASE_BYTES = 1 * GiB  # python + torch (CUDA build) + kt-kernel imported: ~0.6 GB, with margin
 
 
 class QuantizeInt8Result(BaseModel):
@@ -160,12 +159,7 @@ def check_int8_alignment(hidden: int, moe_intermediate: int, threadpool_count: i
 
 def _layer_bytes(experts: int, hidden: int, inter: int, t: int) -> tuple[int, int]:
     """(BF16 bytes, INT8 bytes incl. scales) of one MoE layer's routed experts."""
-    bf16 = experts * 3 * inter * hidden * 2
-    int8 = 0
-    for proj in PROJS:
-        nbytes, scales = slice_sizes(proj, hidden, inter, t)
-        int8 += experts * t * (nbytes + 4 * scales)
-    return bf16, int8
+    return experts * 3 * inter * hidden * 2, kt_layer_bytes(experts, hidden, inter, t, "AMXINT8")
 
 
 def _non_expert_name(name: str) -> str:
@@ -329,8 +323,8 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     """kt-kernel's INT8 kernels; RAM and scratch for one layer at a time; disk for the output.
 
     The driver holds one layer's BF16 experts twice (its buffers, and kt-kernel's copy as it quantizes) and its
-    INT8 (plus the same again when kt-kernel's scratch is a tmpfs, whose pages are RAM) beside ~1 GiB of python,
-    torch and kt-kernel (``kt_quantizer_layer_ram``).
+    INT8 (plus the same again when kt-kernel's scratch is a tmpfs, whose pages are RAM) beside the process's python,
+    torch and kt-kernel (``kt_quantizer_layer_ram``, ``PROCESS_RUNTIME_BYTES``).
     """
     t = request.threadpool_count
     bf16_layer, int8_layer = _layer_bytes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t)
@@ -339,10 +333,11 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
                  + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
     ram_why = (f"2 x {bf16_layer / GiB:.2f} GiB BF16 experts + {int8_layer / GiB:.2f} GiB INT8"
-               f"{' + the same in ' + str(shm) if on_tmpfs else ''} + ~1 GiB for python, torch and kt-kernel")
+               f"{' + the same in ' + str(shm) if on_tmpfs else ''} + ~{PROCESS_RUNTIME_BYTES / GiB:.0f} GiB for "
+               "python, torch and kt-kernel")
     return Resources(
         host=INT8_KERNELS,
-        ram=RamNeed(bytes=int((ram_need + _DRIVER_BASE_BYTES) * 1.1), what="one MoE layer", why=ram_why),
+        ram=RamNeed(bytes=int((ram_need + PROCESS_RUNTIME_BYTES) * 1.1), what="one MoE layer", why=ram_why),
         disk=(DiskNeed(bytes=int8_layer, overhead=1.05, at=shm, what="kt-kernel's scratch for one layer",
                        fix="pass scratch_dir= a roomier directory"),
               DiskNeed(bytes=out_total - sizes.done_bytes, overhead=1.02, what="the output")),
@@ -485,7 +480,7 @@ def _driver_plan(job: _Job) -> dict[str, Any]:
     layers_per_process = request.layers_per_process
     if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
         working = kt_quantizer_layer_ram(bf16_layer, int8_layer, scratch_in_ram=on_tmpfs)
-        room = host.ram_available_bytes * 0.8 - working - _DRIVER_BASE_BYTES
+        room = host.ram_available_bytes * 0.8 - working - PROCESS_RUNTIME_BYTES
         layers_per_process = max(1, int(room // max(int8_layer, 1)))
     return {
         "source": str(job.bf16_dir), "experts": info.num_routed_experts, "top_k": job.top_k,
