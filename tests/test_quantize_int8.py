@@ -95,6 +95,18 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- alignment and refusals
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize(("hidden", "inter", "t"), [(7168, 2048, 1), (7168, 2048, 2), (64, 32, 4)])
+def test_the_counted_layer_bytes_are_the_driver_s_layer(method: str, hidden: int, inter: int, t: int) -> None:
+    """The one count of a quantized MoE layer (stages' RAM and disk checks, the merge's and the plan's estimates) is
+    the bytes of every tensor the driver writes for it: codes and fp32 row scales of every NUMA slice."""
+    from ktflow.formats.kt_layout import kt_layer_bytes
+
+    itemsize = {"I8": 1, "F32": 4}
+    written = sum(itemsize[dtype] * shape[0] for _, dtype, shape in kt_int8.layer_plan(0, 3, hidden, inter, t, method))
+    assert kt_layer_bytes(3, hidden, inter, t, method) == written
+
+
 @pytest.mark.parametrize("hidden,inter,t", [(256, 128, 1), (256, 128, 2), (7168, 2048, 2), (7168, 2048, 8),
                                             (7168, 2048, 32)])
 def test_aligned_threadpool_counts_pass(hidden: int, inter: int, t: int) -> None:
