@@ -95,6 +95,32 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- alignment and refusals
 
 
+def test_a_driver_process_takes_the_layers_its_ram_budget_allows() -> None:
+    """The layer budget of a driver process: the most layers whose working set, runtime and kept INT8 buffers fit
+    80 % of the available RAM, at least one."""
+    from ktflow.planning.merge_cost import kt_layers_per_process, kt_quantizer_process_ram
+
+    bf16, int8, available = 400 << 20, 200 << 20, 8 << 30
+    n = kt_layers_per_process(available, bf16, int8, scratch_in_ram=True)
+    assert kt_quantizer_process_ram(bf16, int8, n, scratch_in_ram=True) <= 0.8 * available
+    assert kt_quantizer_process_ram(bf16, int8, n + 1, scratch_in_ram=True) > 0.8 * available
+    assert kt_layers_per_process(1 << 30, bf16, int8, scratch_in_ram=True) == 1
+
+
+def test_the_driver_keeps_a_layer_s_int8_and_frees_its_bf16_as_measured() -> None:
+    """benchmarks/quantize_int8.py at 1, 4 and 8 MoE layers on the CPU box: the driver's peak RSS within the stage's
+    budget for its process, and growing by the INT8 layer a layer (kt-kernel 0.7.2 keeps each wrapper's buffers and
+    frees the BF16 it quantized), as kt_quantizer_process_ram's docstring says."""
+    data = {int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
+            for p in (REPO / "benchmarks/data/quantize-int8").glob("cpu-box-layers-*.json")}
+    assert sorted(data) == [1, 4, 8]
+    assert all(d["ratios"]["rss_over_budget"] <= 1.0 for d in data.values())
+    peak = {n: d["runs"]["ours"]["peak_rss_mb"] * 1e6 for n, d in data.items()}
+    layer_int8 = data[8]["layer_int8_bytes"]
+    for low, high in ((1, 4), (4, 8)):
+        assert (peak[high] - peak[low]) / (high - low) == pytest.approx(layer_int8, rel=0.02)
+
+
 @pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
 @pytest.mark.parametrize(("hidden", "inter", "t"), [(7168, 2048, 1), (7168, 2048, 2), (64, 32, 4)])
 def test_the_counted_layer_bytes_are_the_driver_s_layer(method: str, hidden: int, inter: int, t: int) -> None:

@@ -42,6 +42,22 @@ def kt_quantizer_layer_ram(layer_bf16: int, layer_quant: int, *, scratch_in_ram:
     return 2 * layer_bf16 + layer_quant * (2 if scratch_in_ram else 1)
 
 
+def kt_quantizer_process_ram(layer_bf16: int, layer_quant: int, layers: int, *, scratch_in_ram: bool) -> int:
+    """Peak RAM of one driver process that quantizes ``layers`` MoE layers: a layer's working set
+    (:func:`kt_quantizer_layer_ram`), the process's runtime, and every layer's quantized buffers, which kt-kernel
+    0.7.2 keeps until the process exits (its BF16 copies it frees layer by layer: on the CPU box the driver's peak
+    grew by the INT8 layer, 1.00x, a layer over 1, 4 and 8 layers: ``benchmarks/quantize_int8.py``)."""
+    return (kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=scratch_in_ram) + PROCESS_RUNTIME_BYTES
+            + layers * layer_quant)
+
+
+def kt_layers_per_process(ram_available: int, layer_bf16: int, layer_quant: int, *, scratch_in_ram: bool) -> int:
+    """How many MoE layers one driver process may quantize before it is restarted: the most whose
+    :func:`kt_quantizer_process_ram` fits 80 % of ``ram_available`` (at least one)."""
+    room = ram_available * 0.8 - kt_quantizer_process_ram(layer_bf16, layer_quant, 0, scratch_in_ram=scratch_in_ram)
+    return max(1, int(room // max(layer_quant, 1)))
+
+
 class MergeEstimate(BaseModel):
     """One merge of an adapter into ``size``'s model, as ``method`` serves it."""
 

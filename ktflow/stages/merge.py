@@ -73,7 +73,12 @@ from ktflow.formats.safetensors_io import (
 )
 from ktflow.host.hardware import physical_cores
 from ktflow.host.process import single_thread_torch
-from ktflow.planning.merge_cost import MERGE_WORKER_BYTES_PER_PARAM, PROCESS_RUNTIME_BYTES, kt_quantizer_layer_ram
+from ktflow.planning.merge_cost import (
+    MERGE_WORKER_BYTES_PER_PARAM,
+    PROCESS_RUNTIME_BYTES,
+    kt_layers_per_process,
+    kt_quantizer_layer_ram,
+)
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -643,9 +648,8 @@ def _driver_plan(job: _Job, staging: Path) -> dict[str, Any]:
     scratch_root, _, on_tmpfs = _scratch(request, layer_quant)
     per_process = request.layers_per_process
     if per_process is None:
-        working = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=on_tmpfs)
-        room = job.host.ram_available_bytes * 0.8 - working - PROCESS_RUNTIME_BYTES
-        per_process = max(1, int(room // max(layer_quant, 1)))
+        per_process = kt_layers_per_process(job.host.ram_available_bytes, layer_bf16, layer_quant,
+                                            scratch_in_ram=on_tmpfs)
     non_expert = [[_kt_name(name), shard, name] for shard, items in job.plans.items()
                   for item in items for name, _, _ in item.outputs]
     return {

@@ -75,7 +75,7 @@ from ktflow.formats.checkpoint import (
 from ktflow.formats.kt_layout import PROJS, kt_layer_bytes
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
-from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_quantizer_layer_ram
+from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_layers_per_process, kt_quantizer_layer_ram
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import INT8_KERNELS, QUANTIZE_INT8_STAGE, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -479,9 +479,8 @@ def _driver_plan(job: _Job) -> dict[str, Any]:
     scratch_root, _, on_tmpfs = _scratch(request, int8_layer)
     layers_per_process = request.layers_per_process
     if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
-        working = kt_quantizer_layer_ram(bf16_layer, int8_layer, scratch_in_ram=on_tmpfs)
-        room = host.ram_available_bytes * 0.8 - working - PROCESS_RUNTIME_BYTES
-        layers_per_process = max(1, int(room // max(int8_layer, 1)))
+        layers_per_process = kt_layers_per_process(host.ram_available_bytes, bf16_layer, int8_layer,
+                                                   scratch_in_ram=on_tmpfs)
     return {
         "source": str(job.bf16_dir), "experts": info.num_routed_experts, "top_k": job.top_k,
         "hidden": info.hidden_size, "moe_intermediate": info.moe_intermediate_size, "threadpool_count": t,
