@@ -39,7 +39,7 @@ from ktflow.planning.batch_shape import RecordLengths, record_lengths, shape_kt_
 from ktflow.planning.costs import COSTS, CostModel, hf_step_seconds, kt_step_estimate, serve_decode_estimate
 from ktflow.planning.host_probe import ProbeScale, probe_scale
 from ktflow.planning.host_speed import UNCALIBRATED, calibrated_costs, host_records, kt_threads
-from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_quantized_layer_bytes, kt_quantizer_layer_ram
+from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_quantized_layer_bytes, kt_quantizer_process_ram
 from ktflow.planning.sizing import ModelSize, hub_model_size, model_size
 from ktflow.planning.stage_plan import StageCheck, host_requirements, plan_stages
 from ktflow.recipe import ModelFacts, Recipe, int8_threadpool_count
@@ -232,7 +232,7 @@ def _predict(line: StageEstimate, recipe: Recipe, host: HostInfo, size: ModelSiz
         expert_bf16 = 2 * size.expert_parameters
         layer_bf16, layer_int8 = kt_quantized_layer_bytes(size, "AMXINT8", int8_threadpool_count(recipe))
         line.disk_bytes = max(size.moe_layers, 1) * layer_int8  # INT8 and its row scales
-        ram = RamNeed(bytes=kt_quantizer_layer_ram(layer_bf16, layer_int8, scratch_in_ram=True) + PROCESS_RUNTIME_BYTES,
+        ram = RamNeed(bytes=kt_quantizer_process_ram(layer_bf16, layer_int8, scratch_in_ram=True),
                       what="quantize-int8", why="one MoE layer's BF16 experts twice (the driver's and kt-kernel's as "
                                                  "it quantizes), their INT8 and its scratch in /dev/shm, "
                                                  f"~{PROCESS_RUNTIME_BYTES / GiB:.0f} GiB of runtime")

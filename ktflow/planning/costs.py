@@ -107,12 +107,13 @@ class CostModel(BaseModel):
     # on; the base model served the same way). benchmarks/serve_decode_model.py fits them at ktflow serve's default
     # threads (benchmarks/data/merged-serving/decode-model.json): the Kimi-K2.5 slice at 1 and 2 MoE layers on two H200
     # + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by least squares over
-    # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on eight merged runs not used, all at 1 MoE layer
-    # on three other machines: in the 4-bit formats (RAWINT4, AMXINT4) they decoded 1.01-1.18x the fit's rate, so at
-    # one layer the fit errs slow; AMXINT8, 1.78x RAWINT4's bytes, decoded 1.31x it: its token grew by 1.26 times the
-    # extra floor, not 2, so part of the "floors" is a per-layer cost that does not scale with bytes (one run: not
-    # refitted). A MoE layer costs both modes about two floors; the fits differ by a fixed ~4.6 ms a
-    # token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter within the machines' spread.
+    # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on merged and base runs not used (DECODE_CHECKS
+    # below), all at 1 MoE layer on four other machines: in the 4-bit formats (RAWINT4, AMXINT4) they decoded
+    # DECODE_CHECKED_4BIT times the fit's rate, so at one layer the fit errs slow; AMXINT8, 1.78x RAWINT4's bytes,
+    # decoded 1.31x it: its token grew by 1.26 times the extra floor, not 2, so part of the "floors" is a per-layer
+    # cost that does not scale with bytes (one run: not refitted). A MoE layer costs both modes about two floors; the
+    # fits differ by a fixed ~4.6 ms a token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter
+    # within the machines' spread.
     serve_decode_token_s: dict[str, float] = Field(default_factory=lambda: {"lora": 0.00603, "merged": 0.00145})
     serve_decode_floors: dict[str, float] = Field(default_factory=lambda: {"lora": 2.149, "merged": 2.006})
     # The highest read bandwidth measured on any host (GB/s; the 64-core host above): the power law of

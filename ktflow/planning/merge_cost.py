@@ -42,19 +42,21 @@ def kt_quantizer_layer_ram(layer_bf16: int, layer_quant: int, *, scratch_in_ram:
     return 2 * layer_bf16 + layer_quant * (2 if scratch_in_ram else 1)
 
 
-def kt_quantizer_process_ram(layer_bf16: int, layer_quant: int, layers: int, *, scratch_in_ram: bool) -> int:
-    """Peak RAM of one driver process that quantizes ``layers`` MoE layers: a layer's working set
-    (:func:`kt_quantizer_layer_ram`), the process's runtime, and every layer's quantized buffers, which kt-kernel
-    0.7.2 keeps until the process exits (its BF16 copies it frees layer by layer: on the CPU box the driver's peak
-    grew by the INT8 layer, 1.00x, a layer over 1, 4 and 8 layers: ``benchmarks/quantize_int8.py``)."""
+def kt_quantizer_process_ram(layer_bf16: int, layer_quant: int, kept_layers: int = 0, *, scratch_in_ram: bool) -> int:
+    """Peak RAM of one driver process: a layer's working set (:func:`kt_quantizer_layer_ram`), the process's
+    runtime, and ``kept_layers`` layers' quantized buffers, which kt-kernel 0.7.2 keeps until the process exits (a
+    process of N layers is budgeted at N, its current layer's counted twice for margin; 0: the check before any
+    work). The BF16 copies it frees layer by layer: on
+    the CPU box the driver's peak grew by the INT8 layer, 1.00x, a layer over 1, 4 and 8 layers
+    (``benchmarks/quantize_int8.py``)."""
     return (kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=scratch_in_ram) + PROCESS_RUNTIME_BYTES
-            + layers * layer_quant)
+            + kept_layers * layer_quant)
 
 
 def kt_layers_per_process(ram_available: int, layer_bf16: int, layer_quant: int, *, scratch_in_ram: bool) -> int:
     """How many MoE layers one driver process may quantize before it is restarted: the most whose
     :func:`kt_quantizer_process_ram` fits 80 % of ``ram_available`` (at least one)."""
-    room = ram_available * 0.8 - kt_quantizer_process_ram(layer_bf16, layer_quant, 0, scratch_in_ram=scratch_in_ram)
+    room = ram_available * 0.8 - kt_quantizer_process_ram(layer_bf16, layer_quant, scratch_in_ram=scratch_in_ram)
     return max(1, int(room // max(layer_quant, 1)))
 
 
@@ -103,7 +105,7 @@ def merge_estimate(size: ModelSize, method: str, cores: int, threadpool_count: i
         disk = layers * layer_quant + 2 * non_expert_bf16  # the non-expert checkpoint, and its copy in kt/
         seconds = expert_bf16 / merge_rate + 2 * non_expert_bf16 / write_rate
         # kt-kernel's scratch in /dev/shm, the stage's default where it fits
-        ram = kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=True) + PROCESS_RUNTIME_BYTES
+        ram = kt_quantizer_process_ram(layer_bf16, layer_quant, scratch_in_ram=True)
         basis = (f"the experts' {expert_bf16 / GB:.0f} GB of BF16 merged and quantized by kt-kernel's {method} "
                  f"quantizer (T={threadpool_count}) at {merge_per_core / 1e6:.1f} MB/s a core x {cores} "
                  f"({_MERGE_RATE_BASIS}) + {2 * non_expert_bf16 / GB:.0f} GB of non-expert BF16 written; a MoE "

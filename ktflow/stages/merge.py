@@ -60,7 +60,7 @@ from ktflow.formats.checkpoint import (
     identity_digest,
     inspect_checkpoint,
 )
-from ktflow.formats.kt_layout import MERGED_KT_DIR, kt_layer_bytes
+from ktflow.formats.kt_layout import MERGED_KT_DIR
 from ktflow.formats.lora_merge import merge_lora_
 from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quantized
 from ktflow.formats.quant_encode import encode_int4_pack_quantized
@@ -77,7 +77,7 @@ from ktflow.planning.merge_cost import (
     MERGE_WORKER_BYTES_PER_PARAM,
     PROCESS_RUNTIME_BYTES,
     kt_layers_per_process,
-    kt_quantizer_layer_ram,
+    kt_quantizer_process_ram,
 )
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import MERGE_STAGE, DiskNeed, HostRequirement, RamNeed, Resources
@@ -86,6 +86,7 @@ from ktflow.stages.quantize_int8 import (
     COPIED_FILES,
     VERIFY_SEED,
     VERIFY_TOKENS,
+    _layer_bytes,
     _Layout,
     _run_driver,
     _sample_layers,
@@ -330,8 +331,7 @@ def merge_needs(request: MergeRequest, sizes: MergeSizes) -> Resources:
     workers = _workers(request)
     if sizes.method in KT_METHODS:
         on_tmpfs = _scratch(request, sizes.layer_quant_bytes)[2]
-        ram = kt_quantizer_layer_ram(sizes.layer_bf16_bytes, sizes.layer_quant_bytes, scratch_in_ram=on_tmpfs)
-        ram += PROCESS_RUNTIME_BYTES
+        ram = kt_quantizer_process_ram(sizes.layer_bf16_bytes, sizes.layer_quant_bytes, scratch_in_ram=on_tmpfs)
         why = (f"{sizes.layer_bf16_bytes / GiB:.2f} GiB of one MoE layer's BF16 experts twice (the driver's and "
                "kt-kernel's as it quantizes) + its quantized form in kt-kernel"
                + (" and its scratch in a tmpfs" if on_tmpfs else "")
@@ -468,8 +468,7 @@ def _kt_sizes(job: _Job) -> tuple[int, int, int]:
     if job.layout is None:
         return 0, 0, 0
     info, t = job.info, job.request.threadpool_count
-    quant = kt_layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t, job.method)
-    bf16 = info.num_routed_experts * 3 * info.moe_intermediate_size * info.hidden_size * 2
+    bf16, quant = _layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t, job.method)
     non_expert = sum(item.nbytes for items in job.plans.values() for item in items)
     return len(job.layout.layers) * quant + non_expert, bf16, quant
 

@@ -75,7 +75,7 @@ from ktflow.formats.checkpoint import (
 from ktflow.formats.kt_layout import PROJS, kt_layer_bytes
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
-from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_layers_per_process, kt_quantizer_layer_ram
+from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_layers_per_process, kt_quantizer_process_ram
 from ktflow.recipe.model import INT4_FORMATS
 from ktflow.resources import INT8_KERNELS, QUANTIZE_INT8_STAGE, DiskNeed, RamNeed, Resources
 from ktflow.runner import Job, Progress, StageSpec, find_published, run_stage
@@ -157,9 +157,10 @@ def check_int8_alignment(hidden: int, moe_intermediate: int, threadpool_count: i
         )
 
 
-def _layer_bytes(experts: int, hidden: int, inter: int, t: int) -> tuple[int, int]:
-    """(BF16 bytes, INT8 bytes incl. scales) of one MoE layer's routed experts."""
-    return experts * 3 * inter * hidden * 2, kt_layer_bytes(experts, hidden, inter, t, "AMXINT8")
+def _layer_bytes(experts: int, hidden: int, inter: int, t: int, method: str = "AMXINT8") -> tuple[int, int]:
+    """(BF16 bytes, quantized bytes incl. scales) of one MoE layer's routed experts, ``method`` as kt-kernel lays it
+    out (quantize-int8's AMXINT8, or the merge's AMXINT8 / AMXINT4)."""
+    return experts * 3 * inter * hidden * 2, kt_layer_bytes(experts, hidden, inter, t, method)
 
 
 def _non_expert_name(name: str) -> str:
@@ -324,12 +325,11 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
 
     The driver holds one layer's BF16 experts twice (its buffers, and kt-kernel's copy as it quantizes) and its
     INT8 (plus the same again when kt-kernel's scratch is a tmpfs, whose pages are RAM) beside the process's python,
-    torch and kt-kernel (``kt_quantizer_layer_ram``, ``PROCESS_RUNTIME_BYTES``).
+    torch and kt-kernel (``kt_quantizer_process_ram``).
     """
     t = request.threadpool_count
     bf16_layer, int8_layer = _layer_bytes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t)
     _, shm, on_tmpfs = _scratch(request, int8_layer)
-    ram_need = kt_quantizer_layer_ram(bf16_layer, int8_layer, scratch_in_ram=on_tmpfs)
     out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
                  + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
     ram_why = (f"2 x {bf16_layer / GiB:.2f} GiB BF16 experts + {int8_layer / GiB:.2f} GiB INT8"
@@ -337,7 +337,8 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
                "python, torch and kt-kernel")
     return Resources(
         host=INT8_KERNELS,
-        ram=RamNeed(bytes=int((ram_need + PROCESS_RUNTIME_BYTES) * 1.1), what="one MoE layer", why=ram_why),
+        ram=RamNeed(bytes=int(kt_quantizer_process_ram(bf16_layer, int8_layer, scratch_in_ram=on_tmpfs) * 1.1),
+                    what="one MoE layer", why=ram_why),
         disk=(DiskNeed(bytes=int8_layer, overhead=1.05, at=shm, what="kt-kernel's scratch for one layer",
                        fix="pass scratch_dir= a roomier directory"),
               DiskNeed(bytes=out_total - sizes.done_bytes, overhead=1.02, what="the output")),
