@@ -19,8 +19,8 @@ base model), CUDA graphs on.
   a fourth the two starts of the default settings in its levers step (the second with prefill chunks of 4096, which
   no prompt reached), and on a fifth the default settings' three starts and the slice merged as AMXINT4 and AMXINT8
   (its methods step: the floor is each method's bytes), and on a sixth the base and merged slices started in turn,
-  two starts each, and the engine levers' baseline. Servers with GPU experts are not checks: the model has no term
-  for them.
+  two starts each, and the engine levers' baseline. At 2 MoE layers: on a seventh machine the base and merged slices
+  started in turn, three starts each. Servers with GPU experts are not checks: the model has no term for them.
 
     .venv/bin/python benchmarks/serve_decode_model.py    # prints the fit and the check, writes decode-model.json
 """
@@ -109,9 +109,20 @@ def main() -> int:
                                        (4, "merged", "second"))]
     left_out.append(_point(six / "lever-engine-baseline-load.json",
                            "Kimi slice, 1 MoE layer, merged, the engine levers' baseline (machine F; 3 x 256 tokens)"))
+    seven = SERVING / "h200-depth2-alternate"
+    left_out += [_point(seven / "servers" / f"alternate-{n}-{what}-load.json",
+                        f"Kimi slice, 2 MoE layers, the {what} model's {turn} start of two, the two models started "
+                        f"in turn (machine G; 3 x 256 tokens)")
+                 for n, what, turn in ((1, "base", "first"), (2, "merged", "first"), (3, "base", "second"),
+                                       (4, "merged", "second"))]
+    left_out += [_point(seven / "again" / "servers" / f"alternate-{n}-{what}-load.json",
+                        f"Kimi slice, 2 MoE layers, the {what} model started a third time, merged first "
+                        f"(machine G; 3 x 256 tokens)")
+                 for n, what in ((1, "merged"), (2, "base"))]
     fits = {"lora": _fit(lora), "merged": _fit(merged)}
     predicted = [_predict(fits["merged"], c) for c in left_out]
-    checks = [{"mode": "merged", "run": c["what"], "file": c["file"], "measured_ms": c["token_ms"],
+    checks = [{"mode": "merged", "run": c["what"], "file": c["file"], "moe_layers": c["moe_layers"],
+               "measured_ms": c["token_ms"],
                "predicted_ms": ms, "measured_over_predicted": c["token_ms"] / ms} for c, ms in zip(left_out, predicted)]
     doc = {"model": "seconds a token = token_s[mode] + floors[mode] x floor_s (floor_s at the plan's modelled "
                     f"read bandwidth for {THREADS} threads)",

@@ -90,9 +90,12 @@ class CostModel(BaseModel):
     # The merge stage merging the experts' LoRA into a quantized format, bytes of the experts' BF16 a core-second:
     # fitted on one timed merge re-encoding Kimi INT4 (decode, float64 W += B @ A, the INT4 scale search, encode), the
     # Kimi-K2.5 slice at 1 MoE layer (33.8 GB of expert BF16, 118.8 s on 16 cores of an H100 host's AMX Xeon, every
-    # expert with LoRA, its 15.6 GB written at dequantize's rate; benchmarks/data/merged-serving/serving/). Six more
-    # RAWINT4 merges of that slice, not used, on five H200 machines and another H100 took 0.95-1.48x the estimate
-    # (median 1.06x). The AMXINT8 and AMXINT4 merges of the same slice (one H200 machine, h200-methods/) took 1.10x
+    # expert with LoRA, its 15.6 GB written at dequantize's rate; benchmarks/data/merged-serving/serving/). Seven more
+    # RAWINT4 merges of the slice, not used, on six H200 machines and another H100 took 0.95-1.62x the estimate
+    # (median 1.08x; the 1.62x at 2 MoE layers) while the merge read the adapter's header again for every weight, a
+    # cost that grew with the depth; the one timed since it reads it once (h200-merge-header-once/) took 0.75x, so at
+    # one MoE layer this rate now errs long (not refitted: one run). The AMXINT8 and AMXINT4 merges of the same slice
+    # (one H200 machine, h200-methods/; the experts merged in kt_int8's driver, which never had that cost) took 1.10x
     # and 1.00x the estimate at this rate: the LoRA merge of each expert sets the pace there too, not kt-kernel's
     # quantizer (quantize-int8's rate above would give 15 s), so they are priced with it.
     merge_expert_bytes_per_core_s: float = 18.8e6
@@ -108,8 +111,9 @@ class CostModel(BaseModel):
     # threads (benchmarks/data/merged-serving/decode-model.json): the Kimi-K2.5 slice at 1 and 2 MoE layers on two H200
     # + 16-core machines (14 threads); lora exactly from its two runs (10.7 and 15.3 ms), merged by least squares over
     # the merged and base runs (5.4-6.2 and 9.0-11.3 ms). Checked on merged and base runs not used (DECODE_CHECKS
-    # below), all at 1 MoE layer on four other machines: in the 4-bit formats (RAWINT4, AMXINT4) they decoded
-    # DECODE_CHECKED_4BIT times the fit's rate, so at one layer the fit errs slow; AMXINT8, 1.78x RAWINT4's bytes,
+    # below) on five other machines: in the 4-bit formats (RAWINT4, AMXINT4) they decoded DECODE_CHECKED_4BIT times
+    # the fit's rate; at 1 MoE layer always faster than it (the fit errs slow there), at 2 within DECODE_CHECKED_DEPTH2
+    # (six starts on one machine); AMXINT8, 1.78x RAWINT4's bytes,
     # decoded 1.31x it: its token grew by 1.26 times the extra floor, not 2, so part of the "floors" is a per-layer
     # cost that does not scale with bytes (one run: not refitted). A MoE layer costs both modes about two floors; the
     # fits differ by a fixed ~4.6 ms a token (CUDA graphs measured 2.2 ms of it) and 0.3 ms a layer, the latter
@@ -161,8 +165,9 @@ class DecodeEstimate(BaseModel):
 
 
 # What the merged decode fit's checks on runs not used measured (benchmarks/data/merged-serving/decode-model.json):
-# how many, and their decode over the fit's rate in the 4-bit formats and in AMXINT8. The plan's basis quotes them.
-DECODE_CHECKS, DECODE_CHECKED_4BIT, DECODE_CHECKED_INT8 = 13, "1.01-1.18", "1.31"
+# how many, and their decode over the fit's rate in the 4-bit formats (all; those at 2 MoE layers) and in AMXINT8.
+# The plan's basis quotes them.
+DECODE_CHECKS, DECODE_CHECKED_4BIT, DECODE_CHECKED_DEPTH2, DECODE_CHECKED_INT8 = 19, "0.99-1.18", "0.99-1.07", "1.31"
 
 SERVE_DECODE_MODES = {"lora": "lora", "merged": "merged", "base": "merged"}
 """Serving modes and the decode constants each uses: the base model is served as merged weights are (graphs on)."""
@@ -190,7 +195,8 @@ def serve_decode_estimate(size: ModelSize, method: str, threads: int,
              f"predicted ({token_s * 1e3:.2f} ms + {floors:.2f} floors a token: fitted at the default serving threads "
              "on Kimi-K2.5 slices of 1 and 2 MoE layers on 16-core hosts, "
              + (f"the merged fit checked on {DECODE_CHECKS} runs not used, which decoded {DECODE_CHECKED_4BIT}x its rate "
-                f"in 4-bit formats and {DECODE_CHECKED_INT8}x in AMXINT8 (the floors overstate more bytes)"
+                f"in 4-bit formats ({DECODE_CHECKED_DEPTH2}x at 2 MoE layers) and {DECODE_CHECKED_INT8}x in AMXINT8 "
+                "(the floors overstate more bytes)"
                 if fit == "merged" else
                 "no run left to check this mode's fit")
              + "; benchmarks/data/merged-serving/decode-model.json)")

@@ -19,8 +19,9 @@ PROCESS_RUNTIME_BYTES = GiB
 """A merge's or quantize-int8's own process beside the data it holds: python and torch, and kt-kernel where imported
 (~0.6 GB), with margin. The stages' RAM checks, their processes' layer budget and the plan count it."""
 # What the quantized formats' merge rate rests on (CostModel.merge_expert_bytes_per_core_s), as the plan quotes it
-_MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; six more took 0.95-1.48x the "
-                     "estimate, the AMXINT8 and AMXINT4 merges 1.10x and 1.00x")
+_MERGE_RATE_BASIS = ("fitted on one timed RAWINT4 merge of the Kimi-K2.5 slice; seven more took 0.95-1.62x the "
+                     "estimate while the merge read the adapter's header once a weight, one since 0.75x; the AMXINT8 "
+                     "and AMXINT4 merges 1.10x and 1.00x")
 # What a merge worker holds per parameter of the weight it makes: float64 (the merge), BF16 and float32 (the encoder)
 MERGE_WORKER_BYTES_PER_PARAM = 8 + 2 + 4
 

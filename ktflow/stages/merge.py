@@ -160,7 +160,9 @@ class _Adapter:
                                "LoRA by lora_alpha / r.", "restore adapter_config.json from the training output")
         self.alpha = float(alpha)
         self.scale = self.alpha / self.rank
-        header = read_header(adapter_dir / ADAPTER_MODEL)
+        # Read once: every merged weight reads its A and B through it (a header read a weight grew with the
+        # adapter's size, so the merge's time grew with the square of the model's depth).
+        self.header = header = read_header(adapter_dir / ADAPTER_MODEL)
         found: dict[str, dict[str, str]] = {}
         for key in header.tensors:
             name = key.removeprefix(PEFT_PREFIX)
@@ -523,8 +525,7 @@ def _make(job: _Job, item: _Item) -> list[torch.Tensor]:
 
 def _merge(job: _Job, weight: torch.Tensor, item: _Item) -> torch.Tensor:
     assert item.lora is not None
-    header = read_header(job.adapter.path / ADAPTER_MODEL)
-    a, b = read_tensor(header, item.lora[0]), read_tensor(header, item.lora[1])
+    a, b = read_tensor(job.adapter.header, item.lora[0]), read_tensor(job.adapter.header, item.lora[1])
     merge_lora_(weight, a, b, job.adapter.scale)
     if not bool(torch.isfinite(weight).all()):
         raise KtflowError(f"{STAGE}: merging '{item.lora[0]}' into '{item.source}' gave NaN or infinite weights; "
