@@ -10,7 +10,7 @@ What it does, per depth (MoE layers): builds a tiny Kimi-K2.5 checkpoint (``make
 INT4 experts, its 384 routed experts a MoE layer by default, tiny widths so the per-weight work dominates, not the
 arithmetic) and a converted adapter of random LoRA on the attention and every expert (the GPU host's
 ``random_converted_adapter``), then times ``merge_adapter(..., method="RAWINT4")`` in its own child process
-(``fsync`` off). The adapter grows with the depth, as the whole model's does: 2,304 expert matrices a MoE layer.
+(``fsync`` off). The adapter grows with the depth, as the whole model's does: 2,304 expert LoRA matrices a MoE layer.
 
 It prints each depth's seconds a MoE layer and their ratio to the shallowest depth's, measured in the same run
 (target: within 1.2x at every depth; a cost that grows with the adapter shows as a ratio that grows with the depth).

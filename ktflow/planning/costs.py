@@ -92,12 +92,13 @@ class CostModel(BaseModel):
     # Kimi-K2.5 slice at 1 MoE layer (33.8 GB of expert BF16, 118.8 s on 16 cores of an H100 host's AMX Xeon, every
     # expert with LoRA, its 15.6 GB written at dequantize's rate; benchmarks/data/merged-serving/serving/). Seven more
     # RAWINT4 merges of the slice, not used, on six H200 machines and another H100 took 0.95-1.62x the estimate
-    # (median 1.08x; the 1.62x at 2 MoE layers) while the merge read the adapter's header again for every weight, a
-    # cost that grew with the depth; the one timed since it reads it once (h200-merge-header-once/) took 0.75x, so at
-    # one MoE layer this rate now errs long (not refitted: one run). The AMXINT8 and AMXINT4 merges of the same slice
-    # (one H200 machine, h200-methods/; the experts merged in kt_int8's driver, which never had that cost) took 1.10x
-    # and 1.00x the estimate at this rate: the LoRA merge of each expert sets the pace there too, not kt-kernel's
-    # quantizer (quantize-int8's rate above would give 15 s), so they are priced with it.
+    # (median 1.08x; the 1.62x at 2 MoE layers) while the merge read the adapter's header again for every weight
+    # (each read growing with the depth, the merge's time with its square); the one timed since it reads it once
+    # (h200-merge-header-once/) took 0.75x, so at one MoE layer this rate now errs long (not refitted: one run). The
+    # AMXINT8 and AMXINT4 merges of the same slice (one H200 machine, h200-methods/; the experts merged in kt_int8's
+    # driver, which never had that cost) took 1.10x and 1.00x the estimate at this rate: the LoRA merge of each expert
+    # sets the pace there too, not kt-kernel's quantizer (quantize-int8's rate above would give 15 s), so they are
+    # priced with it.
     merge_expert_bytes_per_core_s: float = 18.8e6
     # KT SFT on several GPUs (sft.gpus > 1, the recipe's batch split over them): tokens/s relative to one GPU.
     # Fitted on the tiny recipes on 2 x H200 (BF16 0.61x, RAWINT4 0.65x); checked on the 57B bigger-than-GPU
