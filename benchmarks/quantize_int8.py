@@ -238,7 +238,7 @@ def main() -> int:
         print(f"{SERVE_PYTHON} is missing: run `make serve-env` first", file=sys.stderr)
         return 1
     # the stage's own RAM rule, on the orchestrator's side (the bare child runs in the serving toolchain)
-    from ktflow.formats.kt_layout import kt_layer_bytes
+    from ktflow.formats.kt_layout import kt_layer_sizes
     from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_quantizer_process_ram
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -314,8 +314,8 @@ def main() -> int:
                   f"{f['peak_rss_mb']:12.0f}{side}")
         print(f"(bare: {bare_import:.2f} s interpreter + torch/kt-kernel imports, {bare_work:.2f} s work; "
               "ours' wall includes the same start-up of its driver)")
-        layer_bf16 = args.experts * 3 * args.hidden * args.moe_intermediate * 2
-        layer_int8 = kt_layer_bytes(args.experts, args.hidden, args.moe_intermediate, args.threadpool_count, "AMXINT8")
+        layer_bf16, layer_int8 = kt_layer_sizes(args.experts, args.hidden, args.moe_intermediate, args.threadpool_count,
+                                                "AMXINT8")
         budget = kt_quantizer_process_ram(layer_bf16, layer_int8, args.layers - 1, scratch_in_ram=False)
         ratios = {"wall_ratio": figures["ours"]["seconds"] / figures["bare"]["seconds"],
                   "rss_ratio": figures["ours"]["peak_rss_mb"] / figures["bare"]["peak_rss_mb"],

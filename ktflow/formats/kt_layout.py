@@ -55,6 +55,14 @@ def kt_layer_bytes(experts: int, hidden: int, moe_intermediate: int, threadpool_
     return total
 
 
+def kt_layer_sizes(experts: int, hidden: int, moe_intermediate: int, threadpool_count: int,
+                   method: str) -> tuple[int, int]:
+    """``(BF16, quantized)`` bytes of one MoE layer's routed experts: what a kt-kernel quantizing process reads and
+    what it writes (:func:`kt_layer_bytes`)."""
+    return experts * 3 * moe_intermediate * hidden * 2, kt_layer_bytes(experts, hidden, moe_intermediate,
+                                                                       threadpool_count, method)
+
+
 def kt_file_name(layer: int, numa: int, proj: str, expert: int, nbytes: int, kind: str) -> str:
     """One slice's file in the ``.kt`` layout, relative to the weight directory:
     ``_layer_L/_numa_N/INT8_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt``."""

@@ -47,9 +47,8 @@ def kt_quantizer_process_ram(layer_bf16: int, layer_quant: int, kept_layers: int
     """Peak RAM of one driver process: a layer's working set (:func:`kt_quantizer_layer_ram`), the process's
     runtime, and ``kept_layers`` layers' quantized buffers, which kt-kernel 0.7.2 keeps until the process exits (a
     process of N layers is budgeted at N, its current layer's counted twice for margin; 0: the check before any
-    work). The BF16 copies it frees layer by layer: on
-    the CPU box the driver's peak grew by the INT8 layer, 1.00x, a layer over 1, 4 and 8 layers
-    (``benchmarks/quantize_int8.py``)."""
+    work). The BF16 copies it frees layer by layer: on the CPU box the driver's peak grew by the INT8 layer, 1.00x, a
+    layer over 1, 4 and 8 layers (``benchmarks/quantize_int8.py``)."""
     return (kt_quantizer_layer_ram(layer_bf16, layer_quant, scratch_in_ram=scratch_in_ram) + PROCESS_RUNTIME_BYTES
             + kept_layers * layer_quant)
 

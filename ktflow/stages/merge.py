@@ -60,7 +60,7 @@ from ktflow.formats.checkpoint import (
     identity_digest,
     inspect_checkpoint,
 )
-from ktflow.formats.kt_layout import MERGED_KT_DIR
+from ktflow.formats.kt_layout import MERGED_KT_DIR, kt_layer_sizes
 from ktflow.formats.lora_merge import merge_lora_
 from ktflow.formats.quant_decode import INT4_GROUP_SIZE, decode_int4_pack_quantized
 from ktflow.formats.quant_encode import encode_int4_pack_quantized
@@ -86,7 +86,6 @@ from ktflow.stages.quantize_int8 import (
     COPIED_FILES,
     VERIFY_SEED,
     VERIFY_TOKENS,
-    _layer_bytes,
     _Layout,
     _run_driver,
     _sample_layers,
@@ -470,7 +469,7 @@ def _kt_sizes(job: _Job) -> tuple[int, int, int]:
     if job.layout is None:
         return 0, 0, 0
     info, t = job.info, job.request.threadpool_count
-    bf16, quant = _layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t, job.method)
+    bf16, quant = kt_layer_sizes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t, job.method)
     non_expert = sum(item.nbytes for items in job.plans.values() for item in items)
     return len(job.layout.layers) * quant + non_expert, bf16, quant
 

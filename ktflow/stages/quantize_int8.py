@@ -72,7 +72,7 @@ from ktflow.formats.checkpoint import (
     inspect_checkpoint,
     read_weight_map,
 )
-from ktflow.formats.kt_layout import PROJS, kt_layer_bytes
+from ktflow.formats.kt_layout import PROJS, kt_layer_sizes
 from ktflow.formats.safetensors_io import SafetensorsHeader, read_header
 from ktflow.host.process import ktflow_pythonpath, run_tool, tool_versions
 from ktflow.planning.merge_cost import PROCESS_RUNTIME_BYTES, kt_layers_per_process, kt_quantizer_process_ram
@@ -155,12 +155,6 @@ def check_int8_alignment(hidden: int, moe_intermediate: int, threadpool_count: i
             "columns), else it fails with 'n or k is not aligned'.",
             use + " (and serve with the same --kt-threadpool-count).",
         )
-
-
-def _layer_bytes(experts: int, hidden: int, inter: int, t: int, method: str = "AMXINT8") -> tuple[int, int]:
-    """(BF16 bytes, quantized bytes incl. scales) of one MoE layer's routed experts, ``method`` as kt-kernel lays it
-    out (quantize-int8's AMXINT8, or the merge's AMXINT8 / AMXINT4)."""
-    return experts * 3 * inter * hidden * 2, kt_layer_bytes(experts, hidden, inter, t, method)
 
 
 def _non_expert_name(name: str) -> str:
@@ -328,7 +322,7 @@ def quantize_int8_needs(request: QuantizeInt8Request, sizes: QuantizeInt8Sizes) 
     torch and kt-kernel (``kt_quantizer_process_ram``).
     """
     t = request.threadpool_count
-    bf16_layer, int8_layer = _layer_bytes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t)
+    bf16_layer, int8_layer = kt_layer_sizes(sizes.experts, sizes.hidden, sizes.moe_intermediate, t, KT_METHOD)
     _, shm, on_tmpfs = _scratch(request, int8_layer)
     out_total = (sizes.layers * (int8_layer + _HEADER_BYTES_PER_TENSOR * 6 * sizes.experts * t)
                  + sizes.non_expert_bytes + _HEADER_BYTES_PER_TENSOR * sizes.non_expert_tensors + sizes.copied_bytes)
@@ -476,7 +470,8 @@ def _driver_plan(job: _Job) -> dict[str, Any]:
     request, info, layout, host = job.request, job.info, job.layout, job.host
     assert host is not None  # the preflight probed it (the stage needs the INT8 kernels)
     t = request.threadpool_count
-    bf16_layer, int8_layer = _layer_bytes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t)
+    bf16_layer, int8_layer = kt_layer_sizes(info.num_routed_experts, info.hidden_size, info.moe_intermediate_size, t,
+                                            KT_METHOD)
     scratch_root, _, on_tmpfs = _scratch(request, int8_layer)
     layers_per_process = request.layers_per_process
     if layers_per_process is None:  # what leaks per wrapper must fit beside one layer's working set
