@@ -108,17 +108,32 @@ def out_of_sample(points: list[dict]) -> list[dict]:
     return checks
 
 
-# Runs planned with the shipped reference and not used to estimate it: (name, folder, run file). Two machines of the
-# kinds above (a second H200 + 16-core machine; the 64-core host again, at 6 MoE layers) and, on the 64-core host,
-# the same batch of 8 as the recipe writes it (1 x 8) beside the shaper's split (8 x 1): the shaper's gain.
+# Runs planned with the shipped reference and not used to estimate it: (name, folder, run file). Three more machines
+# of the kinds above (H200 + 16 cores: -b at one MoE layer, -c and -d at three; the 64-core host again, at six) and,
+# on -c, -d and the 64-core host, the same batch of 8 as the recipe writes it (1 x 8) beside the shaper's split
+# (8 x 1): the shaper's gain; on -d also the splits between (4 x 2, 2 x 4).
+_C, _D = DATA / "checks" / "h200-16-cores-c", DATA / "checks" / "h200-16-cores-d"
+_SLICE64 = REPO / "benchmarks/data/kimi-slice/h200x4-64-cores/moe6"
 CHECKS: list[tuple[str, Path, str]] = [
     ("h200-16-cores-b, 1 MoE layer, 8 x 1", DATA / "checks" / "h200-16-cores-b", "sft.json"),
-    ("h200x4-64-cores, 6 MoE layers, 8 x 1", REPO / "benchmarks/data/kimi-slice/h200x4-64-cores/moe6", "sft.json"),
-    ("h200x4-64-cores, 6 MoE layers, 1 x 8", REPO / "benchmarks/data/kimi-slice/h200x4-64-cores/moe6",
-     "sft-written.json"),
+    ("h200-16-cores-c, 3 MoE layers, 8 x 1", _C, "sft.json"),
+    ("h200-16-cores-c, 3 MoE layers, 1 x 8", _C, "sft-written.json"),
+    ("h200-16-cores-d, 3 MoE layers, 8 x 1", _D, "sft.json"),
+    ("h200-16-cores-d, 3 MoE layers, 4 x 2", _D, "sft-4x2.json"),
+    ("h200-16-cores-d, 3 MoE layers, 2 x 4", _D, "sft-2x4.json"),
+    ("h200-16-cores-d, 3 MoE layers, 1 x 8", _D, "sft-written.json"),
+    ("h200x4-64-cores, 6 MoE layers, 8 x 1", _SLICE64, "sft.json"),
+    ("h200x4-64-cores, 6 MoE layers, 1 x 8", _SLICE64, "sft-written.json"),
 ]
-# The shaper's gain: (the split it chose, the batch as written) on one machine, by CHECKS name.
-GAIN_PAIRS: list[tuple[str, str]] = [("h200x4-64-cores, 6 MoE layers, 8 x 1", "h200x4-64-cores, 6 MoE layers, 1 x 8")]
+# The shaper's gain: (the split it chose, another split of the same batch) on one machine, by CHECKS name; the batch
+# as written (1 x 8) first on each machine, then the splits between.
+GAIN_PAIRS: list[tuple[str, str]] = [
+    ("h200-16-cores-c, 3 MoE layers, 8 x 1", "h200-16-cores-c, 3 MoE layers, 1 x 8"),
+    ("h200-16-cores-d, 3 MoE layers, 8 x 1", "h200-16-cores-d, 3 MoE layers, 1 x 8"),
+    ("h200x4-64-cores, 6 MoE layers, 8 x 1", "h200x4-64-cores, 6 MoE layers, 1 x 8"),
+    ("h200-16-cores-d, 3 MoE layers, 8 x 1", "h200-16-cores-d, 3 MoE layers, 4 x 2"),
+    ("h200-16-cores-d, 3 MoE layers, 8 x 1", "h200-16-cores-d, 3 MoE layers, 2 x 4"),
+]
 
 
 def checked(reference: float) -> tuple[list[dict], list[dict]]:
@@ -169,7 +184,8 @@ def main() -> int:
               f"({r['error_with_probe']:+.1%}), without the probe {r['predicted_step_s']:6.2f} s "
               f"({r['error_without_probe']:+.1%}), measured {r['measured_step_s']:.2f} s")
     for g in gains:
-        print(f"  the shaper's gain ({g['as_written']} over 8 x 1): predicted {g['predicted_gain']:.2f}x, measured "
+        split = g["shaped"].rsplit(", ", 1)[1]
+        print(f"  the shaper's gain ({g['as_written']} over {split}): predicted {g['predicted_gain']:.2f}x, measured "
               f"{g['measured_gain']:.2f}x ({g['error']:+.1%})")
     out = DATA / "reference.json"
     out.write_text(json.dumps({"method": method, "reference": round(reference, 3), "hosts": points,

@@ -263,3 +263,32 @@ def test_the_runs_the_reference_never_saw_are_the_scripts_checks_and_their_plans
             next(r["measured_step_s"] for r in runs if r["check"] == now["as_written"])
             / next(r["measured_step_s"] for r in runs if r["check"] == now["shaped"]))
         assert kept["predicted_gain"] == pytest.approx(now["predicted_gain"], abs=1e-6)
+
+
+def test_the_shaper_gain_table_is_the_runs_recorded_gains_by_experts_per_layer() -> None:
+    """benchmarks/shaper_gain.py: every pair's gain is its two runs' steps as recorded (the planner's and the measured),
+    the Kimi-K2.5 slice's pairs are reference.json's, and shaper-gain.json is what the script prints now."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shaper_gain", REPO / "benchmarks" / "shaper_gain.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.gains()
+    assert json.loads((script.PROBE / "shaper-gain.json").read_text())["gains"] == rows
+    check = json.loads((script.KT / "out-of-sample-check.json").read_text())
+    steps = {(m["machine"], r["split"], r["model"]): (r["planner_step_s"], r["step_s"]) for m in check["machines"]
+             for r in m["runs"] if r["threads"] == 16 and r["pools"] == 1 and r["model"] in script.FIXTURES}
+    by_experts = {script._experts(f): model for model, f in script.FIXTURES.items()}
+    for row in rows:
+        assert row["error"] == pytest.approx(row["predicted_gain"] / row["measured_gain"] - 1)
+        if row["experts_per_layer"] in by_experts:
+            model = by_experts[row["experts_per_layer"]]
+            other, shaped = steps[(row["machine"], row["other"], model)], steps[(row["machine"], row["shaped"], model)]
+            assert row["predicted_gain"] == pytest.approx(other[0] / shaped[0])
+            assert row["measured_gain"] == pytest.approx(other[1] / shaped[1])
+    slice_rows = [r for r in rows if r["experts_per_layer"] == 384]
+    reference = json.loads((script.PROBE / "reference.json").read_text())
+    assert len(slice_rows) == len(reference["shaper_gain"])
+    assert {round(r["measured_gain"], 9) for r in slice_rows} == {round(g["measured_gain"], 9)
+                                                                   for g in reference["shaper_gain"]}
+    assert {r["experts_per_layer"] for r in rows} == {96, 180, 384}
