@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from ktflow.planning.costs import COSTS, kt_step_estimate  # noqa: E402
 from ktflow.planning.host_probe import kt_sft_method  # noqa: E402
 from ktflow.planning.sizing import ModelSize  # noqa: E402
-from ktflow.recipe import load_recipe  # noqa: E402
+from ktflow.recipe import SftConfig, load_recipe  # noqa: E402
 
 DATA = REPO / "benchmarks" / "data" / "plan-probe"
 RECIPE = REPO / "gpu_host" / "slice-kt-rawint4.yaml"
@@ -40,6 +40,24 @@ _PROBE = re.compile(r"forward ([\d.]+) ms .*?backward ([\d.]+) ms.*?: ([\d.]+)x 
 _TOKENS = re.compile(r"([\d,]+) tokens a micro-batch")
 _THREADS = re.compile(r"KT step [\d.]+ s \((\d+) threads")
 _SCALED = re.compile(r"KT's CPU passes x([\d.]+)")  # a plan the probe already scaled (a reference was shipped)
+
+
+def size_and_sft(folder: Path, run: str = "sft.json") -> tuple[ModelSize, SftConfig]:
+    """The slice a run trained (its depth, from the recorded dims) and the recipe's SFT settings with the batch split
+    it trained."""
+    sft_doc = json.loads((folder / run).read_text())
+    batch = sft_doc["adapter"]["manifest_extra"]["batch"]  # the batch shape the run trained with
+    dims = sft_doc["model"]["dims"]
+    layers = dims["num_hidden_layers"] - 1  # layer 0 is dense
+    experts = layers * dims["n_routed_experts"] * 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
+    size = ModelSize(path=str(folder), parameters=sft_doc["model"]["parameters"], hidden_size=dims["hidden_size"],
+                     num_layers=dims["num_hidden_layers"], vocab_size=dims["vocab_size"], linear_shapes={},
+                     expert_parameters=experts, moe_layers=layers, routed_experts=dims["n_routed_experts"],
+                     experts_per_token=dims["num_experts_per_tok"])
+    sft = load_recipe(RECIPE).sft.model_copy(update={
+        "per_device_train_batch_size": batch["per_device_train_batch_size"],
+        "gradient_accumulation_steps": batch["gradient_accumulation_steps"]})
+    return size, sft
 
 
 def host_point(folder: Path, run: str = "sft.json") -> dict:
@@ -54,17 +72,7 @@ def host_point(folder: Path, run: str = "sft.json") -> dict:
     forward_ms, backward_ms, _, model_ms = (float(g) for g in probe.groups())
     threads = int(_THREADS.search(basis).group(1))
     tokens = int(_TOKENS.search(basis).group(1).replace(",", ""))
-    batch = sft_doc["adapter"]["manifest_extra"]["batch"]  # the batch shape the run trained with
-    dims = sft_doc["model"]["dims"]
-    layers = dims["num_hidden_layers"] - 1  # layer 0 is dense
-    experts = layers * dims["n_routed_experts"] * 3 * dims["hidden_size"] * dims["moe_intermediate_size"]
-    size = ModelSize(path=str(folder), parameters=sft_doc["model"]["parameters"], hidden_size=dims["hidden_size"],
-                     num_layers=dims["num_hidden_layers"], vocab_size=dims["vocab_size"], linear_shapes={},
-                     expert_parameters=experts, moe_layers=layers, routed_experts=dims["n_routed_experts"],
-                     experts_per_token=dims["num_experts_per_tok"])
-    sft = load_recipe(RECIPE).sft.model_copy(update={
-        "per_device_train_batch_size": batch["per_device_train_batch_size"],
-        "gradient_accumulation_steps": batch["gradient_accumulation_steps"]})
+    size, sft = size_and_sft(folder, run)
     fitted = COSTS.model_copy(update={"kt_probe_reference": {}})
     estimate = kt_step_estimate(size, sft, threads, fitted, tokens)
     cpu = estimate.kt_forward_s + estimate.kt_backward_s

@@ -292,3 +292,43 @@ def test_the_shaper_gain_table_is_the_runs_recorded_gains_by_experts_per_layer()
     assert {round(r["measured_gain"], 9) for r in slice_rows} == {round(g["measured_gain"], 9)
                                                                    for g in reference["shaper_gain"]}
     assert {r["experts_per_layer"] for r in rows} == {96, 180, 384}
+
+
+def _expert_count_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kt_expert_count", REPO / "benchmarks" / "kt_expert_count.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_two_part_fit_recovers_the_split_that_made_the_ratios() -> None:
+    """benchmarks/kt_expert_count.py's least squares: CPU times made from a known bytes-floor scale and cost a layer
+    pass, each machine at its own speed, give back that scale and cost."""
+    script = _expert_count_script()
+    s_true, t0_true = 0.4, 0.25
+
+    def point(calls: float, bytes_part: float, flops: float, passes: float, speed: float) -> dict:
+        p = {"calls": calls, "bytes": bytes_part, "flops": flops, "layer_passes": passes}
+        return {**p, "measured_cpu_s": speed * script.cpu_s(p, s_true, t0_true)}
+
+    groups = [(point(0.1, 3.5, 9.4, 3, 1.1), [point(0.5, 14.0, 7.7, 12, 1.1), point(1.1, 27.8, 6.5, 24, 1.1)]),
+              (point(0.1, 0.9, 8.0, 3, 0.7), [point(1.0, 7.0, 5.0, 24, 0.7)])]
+    s, t0 = script.fit(groups)
+    assert s == pytest.approx(s_true, rel=1e-9) and t0 == pytest.approx(t0_true, rel=1e-9)
+
+
+def test_expert_count_json_is_what_the_script_fits_now() -> None:
+    """plan-probe/expert-count.json is the script's output from the recorded runs (a run or a constant changed since
+    makes it stale), and the fit rows are the runs FIT names, the checks the runs CHECK names."""
+    script = _expert_count_script()
+    kept = json.loads((REPO / "benchmarks/data/plan-probe/expert-count.json").read_text())
+    fitted = [(script.run_point(s), [script.run_point(o) for o in others]) for _, s, others in script.FIT]
+    s, t0 = script.fit(fitted)
+    assert kept["bytes_floor_scale"] == pytest.approx(s) and kept["layer_pass_s"] == pytest.approx(t0)
+    assert kept["fit"] == [n for n, _, _ in script.FIT] and kept["check"] == [n for n, _, _ in script.CHECK]
+    assert len([r for r in kept["ratios"] if r["set"] == "fit"]) == sum(len(o) for _, _, o in script.FIT)
+    assert len([r for r in kept["ratios"] if r["set"] == "check"]) == sum(len(o) for _, _, o in script.CHECK)
+    for row in kept["ratios"]:
+        assert row["shipped_error"] == pytest.approx(row["shipped_gain"] / row["measured_gain"] - 1)
