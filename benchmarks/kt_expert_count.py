@@ -12,7 +12,7 @@ cannot be told apart; the shaper's gain is then under-predicted at 96 experts an
 
     KT's CPU time of a run = f_machine x (calls + s x bytes-floor part + FLOP-floor part + t0 x micro-batches x MoE layers)
 
-where the parts are the shipped model's own (its constants at 1 for s and 0 for t0), ``f_machine`` is each machine's
+where the parts are the shipped model's own (the shipped model is s = 1, t0 = 0), ``f_machine`` is each machine's
 speed (eliminated: only splits of one batch on one machine are compared, as the shaper does) and ``s`` and ``t0`` are
 fitted by least squares on the ratios of each run's CPU time to its machine's shaped run:
 
@@ -40,6 +40,7 @@ import kt_out_of_sample  # noqa: E402  (the kt-throughput runs, as its checks re
 import probe_reference  # noqa: E402  (the slice's runs, as its checks read them)
 
 from ktflow.planning.costs import COSTS, host_rate, kt_step_estimate  # noqa: E402
+from ktflow.planning.sizing import ModelSize  # noqa: E402
 
 _PART_CONSTANTS = {"calls": ("kt_forward_call_s", "kt_backward_call_s"),
                    "bytes": ("kt_forward_bytes_floors", "kt_backward_bytes_floors"),
@@ -60,7 +61,8 @@ CHECK = [("model 1, H100 #2", "out-of-sample/shaped", ["out-of-sample/hand-4x2",
 
 
 def _parts(size, sft, threads: int, tokens: float) -> dict[str, float]:
-    """The shipped model's KT CPU seconds a step by part, its GPU part, and the micro-batches x MoE layers."""
+    """The shipped model's KT CPU seconds a step by part, its GPU part, and the micro-batches x MoE layers in units of
+    a 16-thread pass (``layer_passes``: what ``t0`` multiplies)."""
     fitted = COSTS.model_copy(update={"kt_probe_reference": {}})
     zero = {c: 0.0 for names in _PART_CONSTANTS.values() for c in names}
     parts: dict[str, float] = {"gpu_s": kt_step_estimate(size, sft, threads, fitted, tokens).gpu_s}
@@ -81,8 +83,8 @@ def run_point(ref: str) -> dict:
     if "/" in ref:  # a kt-throughput run with KT's own timers
         folder, name = ref.split("/")
         run = json.loads((kt_out_of_sample.KT / folder / f"{name}.json").read_text())
-        size = kt_out_of_sample.ModelSize(**run["plan"]["model"], linear_shapes={})
-        sft = kt_out_of_sample._sft(run)
+        size = ModelSize(**run["plan"]["model"], linear_shapes={})
+        sft = kt_out_of_sample.sft_of(run)
         threads, tokens = run["settings"]["kt_num_threads"], run["tokens_per_microbatch_measured"]
         timers = run["kt_timers"]["kt_moe_s_per_step"]
         step, measured = run["steady_step_s"], timers["forward"] + timers["backward"]
@@ -146,8 +148,9 @@ def main() -> int:
         for name, shaped, others in groups:
             for row in gains(name, shaped, others, s, t0):
                 rows.append({"set": label, **row})
-    print(f"the split's step over the shaped one's: {'set':<6}{'machine':<30}{'experts':>8}{'threads':>8} {'split':<6}"
-          f"{'measured':>9}{'shipped':>16}{'two-part':>17}")
+    print("each split's step over its machine's shaped one's:")
+    print(f"{'set':<6}{'machine':<30}{'experts':>8}{'threads':>8} {'split':<6}{'measured':>9}{'shipped':>16}"
+          f"{'two-part':>17}")
     for r in rows:
         print(f"{r['set']:<6}{r['machine']:<30}{r['experts_per_layer']:>8}{r['threads']:>8} {r['split']:<6}"
               f"{r['measured_gain']:>8.2f}x{r['shipped_gain']:>8.2f}x ({r['shipped_error']:+6.1%})"

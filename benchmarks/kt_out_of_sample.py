@@ -115,7 +115,7 @@ def _sft_stage(run: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in run["plan"]["stages"] if s["stage"] == "sft")
 
 
-def _sft(run: dict[str, Any]):
+def sft_of(run: dict[str, Any]):
     """The run's SFT settings as trained (a shaped run: the split it trained)."""
     settings = run["settings"]
     sets = [s for s in run["sets"] if s.startswith("sft.")] + [
@@ -127,7 +127,7 @@ def _sft(run: dict[str, Any]):
 def _estimate(run: dict[str, Any], costs: CostModel):
     """The model's step for ``run``, given the tokens a micro-batch carried as the trainer counted them."""
     size = ModelSize(**run["plan"]["model"], linear_shapes={})
-    return kt_step_estimate(size, _sft(run), run["settings"]["kt_num_threads"], costs,
+    return kt_step_estimate(size, sft_of(run), run["settings"]["kt_num_threads"], costs,
                             run["tokens_per_microbatch_measured"])
 
 
@@ -147,7 +147,7 @@ def _expert_bytes(run: dict[str, Any]) -> int:
 
 def calibration_group(run: dict[str, Any]) -> tuple[str, int, int]:
     """What a host's measured speed is kept by (``KtStepRecord.matches``): expert format, threads, pools."""
-    sft = _sft(run)
+    sft = sft_of(run)
     return kt_expert_format(sft), run["settings"]["kt_num_threads"], kt_pools(sft)
 
 
