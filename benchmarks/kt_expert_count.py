@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import kt_out_of_sample  # noqa: E402  (the kt-throughput runs, as its checks read them)
+import kt_step_model  # noqa: E402  (its least squares)
 import probe_reference  # noqa: E402  (the slice's runs, as its checks read them)
 
 from ktflow.planning.costs import COSTS, host_rate, kt_step_estimate  # noqa: E402
@@ -113,13 +114,11 @@ def fit(groups: list[tuple[dict, list[dict]]]) -> tuple[float, float]:
         for other in others:
             ms, mr = shaped["measured_cpu_s"], other["measured_cpu_s"]
             scale = ms * mr
-            rows.append(((mr * shaped["bytes"] - ms * other["bytes"]) / scale,
-                         (mr * shaped["layer_passes"] - ms * other["layer_passes"]) / scale))
+            rows.append([(mr * shaped["bytes"] - ms * other["bytes"]) / scale,
+                         (mr * shaped["layer_passes"] - ms * other["layer_passes"]) / scale])
             rhs.append((ms * (other["calls"] + other["flops"]) - mr * (shaped["calls"] + shaped["flops"])) / scale)
-    a11, a12, a22 = (sum(r[i] * r[j] for r in rows) for i, j in ((0, 0), (0, 1), (1, 1)))
-    b1, b2 = (sum(r[i] * y for r, y in zip(rows, rhs)) for i in (0, 1))
-    det = a11 * a22 - a12 * a12
-    return (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    s, t0 = kt_step_model.lstsq(rows, rhs)
+    return s, t0
 
 
 def gains(name: str, shaped: dict, others: list[dict], s: float, t0: float) -> list[dict]:

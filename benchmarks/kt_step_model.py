@@ -88,7 +88,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+def lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
     """Least squares by the normal equations on unit-norm columns (a few columns, well conditioned)."""
     k = len(rows[0])
     norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(k)]
@@ -105,7 +105,7 @@ def nnls(rows: list[list[float]], y: list[float]) -> list[float]:
     for size in range(k, 0, -1):
         for free in itertools.combinations(range(k), size):
             try:
-                sub = _lstsq([[r[j] for j in free] for r in rows], y)
+                sub = lstsq([[r[j] for j in free] for r in rows], y)
             except ValueError:
                 continue
             if min(sub) < 0:
