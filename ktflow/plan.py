@@ -459,9 +459,14 @@ def _predict_sft(line: StageEstimate, recipe: Recipe, host: HostInfo, size: Mode
                       if line.kt_probe is not None and line.kt_probe.factor != 1.0 else "not yet calibrated on this host")
         if speed is None and line.kt_probe is not None:
             calibration += f"; {line.kt_probe.basis}"
+        # The routing the step assumes: a router that concentrates a micro-batch on fewer experts makes small
+        # micro-batches cheaper than this (benchmarks/kt_routing.py).
+        reached = (f", a micro-batch reaching {estimate.active_experts:.0f} of {size.routed_experts} routed experts a "
+                   "MoE layer (balanced routing)" if size.routed_experts else "")
         basis = (f"KT step {step:.1f} s ({threads} threads in {estimate.pools} NUMA pool(s), "
                  f"{sft.gpu_split().describe()}, "
-                 f"{tokens_basis(sft, lengths)}; {estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
+                 f"{tokens_basis(sft, lengths)}{reached}; "
+                 f"{estimate.step_s / estimate.flop_floor_s:.1f}x the expert FLOP floor; "
                  f"model fitted on the H100 + 16-core AMX host, benchmarks/data/kt-throughput; {calibration})")
         if sft.gpus > 1:
             step = step / costs.kt_multi_gpu_speed

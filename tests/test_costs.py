@@ -148,6 +148,23 @@ def test_a_step_grows_with_tokens_and_micro_batches(model1: ModelSize) -> None:
     assert eight > 2.5 * one
 
 
+def test_the_experts_a_micro_batch_reaches_default_to_balanced_routing_and_cost_per_expert(model1: ModelSize) -> None:
+    """Balanced routing is the default; a run's own count (kt-kernel's timers) changes the per-expert part only."""
+    sft = _big("sft.per_device_train_batch_size=1", "sft.gradient_accumulation_steps=8", "sft.cutoff_len=256").sft
+    balanced = kt_step_estimate(model1, sft, 16)
+    experts, top_k = model1.routed_experts, model1.experts_per_token
+    assert balanced.active_experts == pytest.approx(experts * (1 - (1 - top_k / experts) ** 256))
+    assert kt_step_estimate(model1, sft, 16, active_experts=balanced.active_experts) == balanced
+    half = kt_step_estimate(model1, sft, 16, active_experts=balanced.active_experts / 2)
+    assert half.active_experts == pytest.approx(balanced.active_experts / 2)
+    assert half.kt_forward_s < balanced.kt_forward_s and half.kt_backward_s < balanced.kt_backward_s
+    assert half.bytes_floor_s == pytest.approx(balanced.bytes_floor_s / 2)
+    assert half.flop_floor_s == balanced.flop_floor_s and half.gpu_s == balanced.gpu_s
+    for wrong in (0, -1, experts + 1):
+        with pytest.raises(ValueError, match="active_experts"):
+            kt_step_estimate(model1, sft, 16, active_experts=wrong)
+
+
 def test_fewer_threads_are_slower_but_not_proportionally(model1: ModelSize) -> None:
     sft = _big("sft.per_device_train_batch_size=4", "sft.cutoff_len=256").sft
     t4, t8, t16, t32 = (kt_step_seconds(model1, sft, t) for t in (4, 8, 16, 32))

@@ -332,3 +332,33 @@ def test_expert_count_json_is_what_the_script_fits_now() -> None:
     assert len([r for r in kept["ratios"] if r["set"] == "check"]) == sum(len(o) for _, _, o in script.CHECK)
     for row in kept["ratios"]:
         assert row["shipped_error"] == pytest.approx(row["shipped_gain"] / row["measured_gain"] - 1)
+
+
+def _routing_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kt_routing", REPO / "benchmarks" / "kt_routing.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_experts_a_call_reached_are_kt_kernels_own_count_over_layers_and_calls() -> None:
+    script = _routing_script()
+    profile = {"profile": {"layers": {"1": {"tp.0.active_experts": 300.0, "tp.0.forward.total.calls": 2.0},
+                                      "2": {"tp.0.active_experts": 200.0, "tp.0.forward.total.calls": 2.0}}}}
+    assert script.active_per_call(profile) == 125.0
+
+
+def test_routing_json_is_what_the_script_computes_now_from_the_profiled_runs() -> None:
+    """plan-probe/routing.json is benchmarks/kt_routing.py's output (a run or a constant changed since makes it stale);
+    every routing run is in it, each gain pair's runs are of one machine, and the plan's balanced routing is the
+    default the step model assumes."""
+    script = _routing_script()
+    kept = json.loads((REPO / "benchmarks/data/plan-probe/routing.json").read_text())
+    points = script.fit_points() + script.check_points()
+    assert kept == json.loads(json.dumps({"points": points, "gains": script.gains(points)}))
+    runs = {p.name.removesuffix(".kt_profile.json") for p in script.ROUTING.glob("*/*.kt_profile.json")}
+    assert runs == {p["run"] for p in kept["points"] if p["where"].startswith("h200")}
+    for point in kept["points"]:
+        assert 0 < point["active_measured"] <= point["experts"] and 0 < point["active_balanced"] <= point["experts"]

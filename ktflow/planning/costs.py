@@ -241,6 +241,7 @@ class KtStepEstimate(BaseModel):
     micro_batches: int
     threads: int
     pools: int
+    active_experts: float  # routed experts a micro-batch reaches in a MoE layer
     bytes_floor_s: float  # the experts' bytes x passes x micro-batches / read bandwidth
     flop_floor_s: float  # the expert FLOPs (forward + input gradient) / matmul rate
 
@@ -250,12 +251,16 @@ class KtStepEstimate(BaseModel):
 
 
 def kt_step_estimate(size: ModelSize, sft: SftConfig, threads: int, costs: CostModel = COSTS,
-                     tokens_per_micro_batch: float | None = None) -> KtStepEstimate:
+                     tokens_per_micro_batch: float | None = None,
+                     active_experts: float | None = None) -> KtStepEstimate:
     """One optimizer step of KT 0.7 LoRA SFT on ``threads`` KT threads, by part.
 
     Args:
         tokens_per_micro_batch: tokens a micro-batch carries through the model, padding included
             (default: ``per_device_train_batch_size x cutoff_len``, the bound).
+        active_experts: routed experts one micro-batch reaches in a MoE layer, on average over the
+            layers (default: balanced routing's expectation, what a trained router aims at). A run's
+            own count is in kt-kernel's timers (``active_experts`` a call, ``KT_SFT_PROFILE=1``).
     """
     micro_batches = sft.gradient_accumulation_steps
     tokens = float(tokens_per_micro_batch if tokens_per_micro_batch is not None
@@ -269,8 +274,13 @@ def kt_step_estimate(size: ModelSize, sft: SftConfig, threads: int, costs: CostM
     experts = max(size.routed_experts, 1)
     top_k = min(max(size.experts_per_token, 1), experts)
     per_expert = size.expert_parameters / (layers * experts)
-    # Only the experts some token is routed to are read: under uniform routing, all but (1 - k/E)^tokens.
-    active = experts * (1 - (1 - top_k / experts) ** tokens)
+    # Only the experts some token is routed to are read: under balanced routing, all but (1 - k/E)^tokens.
+    if active_experts is None:
+        active = experts * (1 - (1 - top_k / experts) ** tokens)
+    elif not 0 < active_experts <= experts:
+        raise ValueError(f"active_experts={active_experts} is not within 0 < n <= {experts} (the routed experts)")
+    else:
+        active = float(active_experts)
     expert_format = kt_expert_format(sft)
     pass_bytes = costs.kt_pass_bytes_per_param.get(expert_format, costs.kt_pass_bytes_per_param["rawint4"])
     pass_floor = active * per_expert * pass_bytes / read_bytes_s
@@ -298,7 +308,7 @@ def kt_step_estimate(size: ModelSize, sft: SftConfig, threads: int, costs: CostM
     gpu_s = scale * (micro_batches * gpu + costs.kt_optimizer_step_s)
     return KtStepEstimate(
         step_s=kt_forward + kt_backward + gpu_s, kt_forward_s=kt_forward, kt_backward_s=kt_backward, gpu_s=gpu_s,
-        tokens_per_micro_batch=tokens, micro_batches=micro_batches, threads=threads, pools=pools,
+        tokens_per_micro_batch=tokens, micro_batches=micro_batches, threads=threads, pools=pools, active_experts=active,
         bytes_floor_s=micro_batches * layers * (forwards + 1) * bytes_floor,
         flop_floor_s=micro_batches * layers * 2 * flop_floor,
     )
