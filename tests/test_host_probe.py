@@ -213,11 +213,7 @@ def test_the_shipped_reference_is_the_estimate_of_the_probed_hosts_and_checks_on
     """CostModel.kt_probe_reference is benchmarks/probe_reference.py's estimate (reference.json) from the hosts with
     a probe and a KT run, recomputed here with today's time model (a constant refitted since makes it stale); each
     host's step predicted with the other's estimate is within 10 % of what it measured."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("probe_reference", REPO / "benchmarks" / "probe_reference.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script("probe_reference")
     document = json.loads((script.DATA / "reference.json").read_text())
     points = [script.host_point(script.DATA / p["host"]) for p in document["hosts"]]
     assert len(points) >= 2
@@ -241,11 +237,7 @@ def test_the_runs_the_reference_never_saw_are_the_scripts_checks_and_their_plans
     """benchmarks/probe_reference.py's checks (runs planned with the shipped reference, not used to estimate it):
     recomputed here, each equals what the plan on its host said before it trained (its own probe, the shipped
     reference), and reference.json keeps them and the shaper's gain as measured, misses included."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("probe_reference", REPO / "benchmarks" / "probe_reference.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script("probe_reference")
     document = json.loads((script.DATA / "reference.json").read_text())
     runs, gains = script.checked(COSTS.kt_probe_reference[document["method"]])
     fitted = {(script.DATA / p["host"]).resolve() for p in document["hosts"]}
@@ -268,11 +260,7 @@ def test_the_runs_the_reference_never_saw_are_the_scripts_checks_and_their_plans
 def test_the_shaper_gain_table_is_the_runs_recorded_gains_by_experts_per_layer() -> None:
     """benchmarks/shaper_gain.py: every pair's gain is its two runs' steps as recorded (the planner's and the measured),
     the Kimi-K2.5 slice's pairs are reference.json's, and shaper-gain.json is what the script prints now."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("shaper_gain", REPO / "benchmarks" / "shaper_gain.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script("shaper_gain")
     rows = script.gains()
     assert json.loads((script.PROBE / "shaper-gain.json").read_text())["gains"] == rows
     check = json.loads((script.KT / "out-of-sample-check.json").read_text())
@@ -294,10 +282,11 @@ def test_the_shaper_gain_table_is_the_runs_recorded_gains_by_experts_per_layer()
     assert {r["experts_per_layer"] for r in rows} == {96, 180, 384}
 
 
-def _expert_count_script():
+def _script(name: str):
+    """benchmarks/NAME.py, imported as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("kt_expert_count", REPO / "benchmarks" / "kt_expert_count.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
@@ -306,7 +295,7 @@ def _expert_count_script():
 def test_the_two_part_fit_recovers_the_split_that_made_the_ratios() -> None:
     """benchmarks/kt_expert_count.py's least squares: CPU times made from a known bytes-floor scale and cost a layer
     pass, each machine at its own speed, give back that scale and cost."""
-    script = _expert_count_script()
+    script = _script("kt_expert_count")
     s_true, t0_true = 0.4, 0.25
 
     def point(calls: float, bytes_part: float, flops: float, passes: float, speed: float) -> dict:
@@ -322,7 +311,7 @@ def test_the_two_part_fit_recovers_the_split_that_made_the_ratios() -> None:
 def test_expert_count_json_is_what_the_script_fits_now() -> None:
     """plan-probe/expert-count.json is the script's output from the recorded runs (a run or a constant changed since
     makes it stale), and the fit rows are the runs FIT names, the checks the runs CHECK names."""
-    script = _expert_count_script()
+    script = _script("kt_expert_count")
     kept = json.loads((REPO / "benchmarks/data/plan-probe/expert-count.json").read_text())
     fitted = [(script.run_point(s), [script.run_point(o) for o in others]) for _, s, others in script.FIT]
     s, t0 = script.fit(fitted)
@@ -334,17 +323,8 @@ def test_expert_count_json_is_what_the_script_fits_now() -> None:
         assert row["shipped_error"] == pytest.approx(row["shipped_gain"] / row["measured_gain"] - 1)
 
 
-def _routing_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kt_routing", REPO / "benchmarks" / "kt_routing.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_the_experts_a_call_reached_are_kt_kernels_own_count_over_layers_and_calls() -> None:
-    script = _routing_script()
+    script = _script("kt_routing")
     profile = {"profile": {"layers": {"1": {"tp.0.active_experts": 300.0, "tp.0.forward.total.calls": 2.0},
                                       "2": {"tp.0.active_experts": 200.0, "tp.0.forward.total.calls": 2.0}}}}
     assert script.active_per_call(profile) == 125.0
@@ -354,7 +334,7 @@ def test_routing_json_is_what_the_script_computes_now_from_the_profiled_runs() -
     """plan-probe/routing.json is benchmarks/kt_routing.py's output (a run or a constant changed since makes it stale);
     every routing run is in it, each gain pair's runs are of one machine, and the plan's balanced routing is the
     default the step model assumes."""
-    script = _routing_script()
+    script = _script("kt_routing")
     kept = json.loads((REPO / "benchmarks/data/plan-probe/routing.json").read_text())
     points = script.fit_points() + script.check_points()
     assert kept == json.loads(json.dumps({"points": points, "gains": script.gains(points)}))
