@@ -358,6 +358,8 @@ def test_the_plan_predicts_kts_step_from_the_tokens(tmp_path: Path) -> None:
     assert long.step_seconds > 1.5 * short.step_seconds
     assert "counted as cutoff_len 512 (the bound; the dataset is not here)" in short.time_basis
     assert "2 NUMA pool(s)" in short.time_basis and "set sft.kt_shape_batches: true" in short.time_basis
+    # The routing assumed is said: 512 tokens of top-8 reach all but ~0 of Kimi-K2.5's 384 experts.
+    assert "a micro-batch reaching 384 of 384 routed experts a MoE layer (balanced routing)" in short.time_basis
 
     # With the dataset here, the records' own lengths count (short records: a shorter step than the bound).
     data = tmp_path / "train.jsonl"
