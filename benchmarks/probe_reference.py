@@ -144,6 +144,11 @@ GAIN_PAIRS: list[tuple[str, str]] = [
 ]
 
 
+def split_of(check: str) -> str:
+    """The batch split a CHECKS name ends in ("8 x 1")."""
+    return check.rsplit(", ", 1)[1]
+
+
 def checked(reference: float) -> tuple[list[dict], list[dict]]:
     """CHECKS predicted with ``reference`` (each with its own probe) and without the probe, against what they measured;
     and each GAIN_PAIRS pair's gain (the as-written step over the shaped one), predicted under the shaped run's probe
@@ -192,9 +197,8 @@ def main() -> int:
               f"({r['error_with_probe']:+.1%}), without the probe {r['predicted_step_s']:6.2f} s "
               f"({r['error_without_probe']:+.1%}), measured {r['measured_step_s']:.2f} s")
     for g in gains:
-        split = g["shaped"].rsplit(", ", 1)[1]
-        print(f"  the shaper's gain ({g['as_written']} over {split}): predicted {g['predicted_gain']:.2f}x, measured "
-              f"{g['measured_gain']:.2f}x ({g['error']:+.1%})")
+        print(f"  the shaper's gain ({g['as_written']} over {split_of(g['shaped'])}): predicted "
+              f"{g['predicted_gain']:.2f}x, measured {g['measured_gain']:.2f}x ({g['error']:+.1%})")
     out = DATA / "reference.json"
     out.write_text(json.dumps({"method": method, "reference": round(reference, 3), "hosts": points,
                                "out_of_sample": checks, "checks": runs, "shaper_gain": gains}, indent=1) + "\n")

@@ -43,10 +43,6 @@ def _experts(fixture: Path) -> int:
     return int(dims.get("n_routed_experts") or dims["experts"])  # the stream writer's record or throughput.py's
 
 
-def _split(name: str) -> str:
-    return name.rsplit(", ", 1)[1]
-
-
 def gains() -> list[dict]:
     """Every (shaped, other split) pair: experts a layer, machine, threads, predicted and measured gain."""
     rows = []
@@ -72,7 +68,8 @@ def gains() -> list[dict]:
         shaped = checks[gain["shaped"]]
         folder = folders[gain["shaped"]]
         rows.append({"experts_per_layer": _experts(folder / "fixture.json"), "machine": gain["shaped"].split(",")[0],
-                     "threads": shaped["threads"], "shaped": _split(gain["shaped"]), "other": _split(gain["as_written"]),
+                     "threads": shaped["threads"], "shaped": probe_reference.split_of(gain["shaped"]),
+                     "other": probe_reference.split_of(gain["as_written"]),
                      "predicted_gain": gain["predicted_gain"], "measured_gain": gain["measured_gain"],
                      "source": f"{(PROBE / 'reference.json').relative_to(REPO)}: {gain['shaped']}"})
     for row in rows:

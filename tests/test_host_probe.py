@@ -209,6 +209,16 @@ def test_the_doctor_shows_the_probe_kept_for_this_machine(tmp_path: Path, monkey
     assert "the reference" in document["kt_probe"]["basis"] and "KT's CPU passes x" in document["kt_probe"]["basis"]
 
 
+def _script(name: str):
+    """benchmarks/NAME.py, imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def test_the_shipped_reference_is_the_estimate_of_the_probed_hosts_and_checks_on_the_host_left_out() -> None:
     """CostModel.kt_probe_reference is benchmarks/probe_reference.py's estimate (reference.json) from the hosts with
     a probe and a KT run, recomputed here with today's time model (a constant refitted since makes it stale); each
@@ -282,16 +292,6 @@ def test_the_shaper_gain_table_is_the_runs_recorded_gains_by_experts_per_layer()
     assert {r["experts_per_layer"] for r in rows} == {96, 180, 384}
 
 
-def _script(name: str):
-    """benchmarks/NAME.py, imported as a module."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_the_two_part_fit_recovers_the_split_that_made_the_ratios() -> None:
     """benchmarks/kt_expert_count.py's least squares: CPU times made from a known bytes-floor scale and cost a layer
     pass, each machine at its own speed, give back that scale and cost."""
@@ -331,9 +331,9 @@ def test_the_experts_a_call_reached_are_kt_kernels_own_count_over_layers_and_cal
 
 
 def test_routing_json_is_what_the_script_computes_now_from_the_profiled_runs() -> None:
-    """plan-probe/routing.json is benchmarks/kt_routing.py's output (a run or a constant changed since makes it stale);
-    every routing run is in it, each gain pair's runs are of one machine, and the plan's balanced routing is the
-    default the step model assumes."""
+    """plan-probe/routing.json is benchmarks/kt_routing.py's output (a run or a constant changed since makes it stale),
+    every profiled routing run is in it, and every count of experts reached, measured or balanced, is within the
+    layer's experts."""
     script = _script("kt_routing")
     kept = json.loads((REPO / "benchmarks/data/plan-probe/routing.json").read_text())
     points = script.fit_points() + script.check_points()
